@@ -1,0 +1,114 @@
+"""Linear layers that shard their weight across tensor-parallel ranks.
+
+Each parameter carries a `weight_loader(param, loaded, shard_id=None)` that copies this rank's slice of a
+full checkpoint tensor into it, so the model loader needs no knowledge of the sharding.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..parallel import TensorParallel, shard_kv_heads
+
+
+def _check_shape(param: nn.Parameter, loaded: torch.Tensor, what: str) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"{what}: checkpoint tensor has shape {tuple(loaded.shape)}, "
+                         f"the model expects {tuple(param.shape)}")
+
+
+class _ParallelLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel):
+        super().__init__()
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """Output features split across ranks; each rank computes its slice, no communication."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TensorParallel = TensorParallel()):
+        if out_features % tp.size:
+            raise ValueError(f"output size {out_features} is not divisible by tensor_parallel_size {tp.size}")
+        super().__init__(in_features, out_features // tp.size, bias, tp)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        rows = param.shape[0]
+        loaded = loaded.narrow(0, self.tp.rank * rows, rows)
+        _check_shape(param, loaded, type(self).__name__)
+        param.data.copy_(loaded)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs stored as one matrix (gate_proj and up_proj -> gate_up_proj)."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False,
+                 tp: TensorParallel = TensorParallel()):
+        self.output_sizes = output_sizes
+        super().__init__(in_features, sum(output_sizes), bias, tp)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+        size = self.output_sizes[shard_id] // self.tp.size
+        offset = sum(self.output_sizes[:shard_id]) // self.tp.size
+        loaded = loaded.narrow(0, self.tp.rank * size, size)
+        target = param.data.narrow(0, offset, size)
+        _check_shape(target, loaded, f"{type(self).__name__} shard {shard_id}")
+        target.copy_(loaded)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections in one matrix, this rank's query heads and kv heads only."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = True,
+                 tp: TensorParallel = TensorParallel()):
+        self.head_dim = head_dim
+        self.num_heads = num_heads // tp.size
+        self.num_kv_heads, self.first_kv_head = shard_kv_heads(num_kv_heads, tp)
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        _ParallelLinear.__init__(self, hidden_size, out, bias, tp)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if shard_id == "q":
+            offset, size, start = 0, q, self.tp.rank * q
+        elif shard_id in ("k", "v"):
+            offset = q if shard_id == "k" else q + kv
+            size, start = kv, self.first_kv_head * self.head_dim
+        else:
+            raise ValueError(f"unknown qkv shard {shard_id!r}")
+        target = param.data.narrow(0, offset, size)
+        loaded = loaded.narrow(0, start, size)
+        _check_shape(target, loaded, f"{type(self).__name__} shard {shard_id}")
+        target.copy_(loaded)
+
+
+class RowParallelLinear(_ParallelLinear):
+    """Input features split across ranks; partial products are summed with an all-reduce."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TensorParallel = TensorParallel()):
+        if in_features % tp.size:
+            raise ValueError(f"input size {in_features} is not divisible by tensor_parallel_size {tp.size}")
+        super().__init__(in_features // tp.size, out_features, bias, tp)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if param.dim() == 2:
+            cols = param.shape[1]
+            loaded = loaded.narrow(1, self.tp.rank * cols, cols)
+        _check_shape(param, loaded, type(self).__name__)
+        param.data.copy_(loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # the bias is added once, after the reduction
+        y = F.linear(x, self.weight)
+        y = self.tp.all_reduce(y)
+        return y + self.bias if self.bias is not None else y

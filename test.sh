@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The whole test suite, the bundled-model tests included. Sets up .venv on first use.
+# Arguments go to pytest (e.g. ./test.sh -m "not slow" for the quick loop).
+set -euo pipefail
+cd "$(dirname "$0")"
+bash scripts/ensure_venv.sh
+exec .venv/bin/python -m pytest -q "$@"
