@@ -1,4 +1,4 @@
-"""The `qwenserve` command: generate, compare, convert."""
+"""The `qwenserve` command: generate, compare, convert, bench."""
 from __future__ import annotations
 
 import argparse
@@ -46,7 +46,21 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--output", required=True)
     conv.add_argument("--dtype", default="auto", help="auto (the checkpoint's; bfloat16 for GGUF), float32, ...")
     conv.add_argument("--overwrite", action="store_true", help="replace a non-empty --output directory")
+    bench = sub.add_parser("bench", help="benchmarks (speed and memory are measured here, not in tests)")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    load = bench_sub.add_parser("load", help="time to load weights and tokenizer")
+    _model_args(load)
+    load.add_argument("--baseline", choices=["hf"], default=None, help="also time HF transformers on the same file")
+    load.add_argument("--json", action="store_true")
     return parser
+
+
+def cmd_bench(args) -> int:
+    from .bench import bench_load, print_result
+
+    if args.bench_command == "load":
+        print_result("load time", bench_load(args.model, args.dtype, args.baseline), args.json)
+    return 0
 
 
 def cmd_generate(args) -> int:
@@ -89,7 +103,8 @@ def cmd_convert(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    handler = {"generate": cmd_generate, "compare": cmd_compare, "convert": cmd_convert}[args.command]
+    handler = {"generate": cmd_generate, "compare": cmd_compare, "convert": cmd_convert,
+               "bench": cmd_bench}[args.command]
     try:
         return handler(args)
     except (ValueError, FileExistsError, RuntimeError) as e:

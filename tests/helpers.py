@@ -141,8 +141,7 @@ def save_gguf(model, path: str, quant: str = "Q8_0") -> str:
             continue
         data = tensor.float().numpy()
         if data.ndim == 2:
-            w.add_tensor(hf_to_gguf_name(name), gguf.quants.quantize(data, qtype), raw_shape=data.shape,
-                         raw_dtype=qtype)
+            w.add_tensor(hf_to_gguf_name(name), gguf.quants.quantize(data, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(hf_to_gguf_name(name), np.ascontiguousarray(data, dtype=np.float32))
     w.write_header_to_file()

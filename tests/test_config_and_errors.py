@@ -1,0 +1,141 @@
+"""Config rules from DESIGN part 1 and loader errors that explain themselves."""
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from helpers import save_hf_dir, tiny_hf_model
+from qwenserve.config import ConfigError, ModelConfig, resolve_dtype
+from qwenserve.model_loader import LoadedModel, WeightLoadError
+from qwenserve.parallel import TensorParallel, check_head_split, shard_kv_heads
+
+BASE = dict(model_type="qwen2", vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, max_position_embeddings=512, rms_norm_eps=1e-6)
+
+
+def test_defaults_rope_theta_1e6_and_kv_heads_equal_heads():
+    cfg = ModelConfig.from_hf_dict(BASE)
+    assert cfg.rope_theta == 1_000_000.0
+    assert cfg.num_key_value_heads == 4
+    assert cfg.head_dim == 16
+    assert cfg.rope_scaling is None
+
+
+def test_rope_theta_from_either_transformers_format():
+    assert ModelConfig.from_hf_dict({**BASE, "rope_theta": 5e5}).rope_theta == 5e5
+    v5 = {**BASE, "rope_parameters": {"rope_type": "default", "rope_theta": 2e5}}
+    assert ModelConfig.from_hf_dict(v5).rope_theta == 2e5
+
+
+def test_max_model_len_default_and_scaling():
+    assert ModelConfig.from_hf_dict(BASE).resolve_max_model_len(None) == 512
+    linear = ModelConfig.from_hf_dict({**BASE, "rope_scaling": {"type": "linear", "factor": 2.0}})
+    assert linear.resolve_max_model_len(None) == 1024
+    yarn = ModelConfig.from_hf_dict({**BASE, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                               "original_max_position_embeddings": 256}})
+    assert yarn.resolve_max_model_len(None) == 1024
+
+
+def test_max_model_len_too_large_names_both_numbers():
+    with pytest.raises(ConfigError, match=r"max_model_len 4096 .*\(512, from max_position_embeddings=512"):
+        ModelConfig.from_hf_dict(BASE).resolve_max_model_len(4096)
+
+
+def test_gelu_is_rejected_naming_hidden_act():
+    with pytest.raises(ConfigError, match="hidden_act is 'gelu'"):
+        ModelConfig.from_hf_dict({**BASE, "hidden_act": "gelu"})
+
+
+@pytest.mark.parametrize("field,value,pattern", [
+    ("num_attention_heads", 5, "hidden_size .64. is not divisible by num_attention_heads .5."),
+    ("num_key_value_heads", 3, "num_attention_heads .4. is not a multiple of num_key_value_heads .3."),
+    ("rope_scaling", {"type": "longrope", "factor": 2.0}, "rope_scaling has type 'longrope'"),
+    ("model_type", "llama", "model_type is 'llama'"),
+    ("use_sliding_window", True, "use_sliding_window"),
+    ("hidden_size", 0, "hidden_size must be a positive integer"),
+])
+def test_bad_config_fields_are_named(field, value, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        ModelConfig.from_hf_dict({**BASE, field: value})
+
+
+def test_missing_required_field():
+    cfg = dict(BASE)
+    del cfg["hidden_size"]
+    with pytest.raises(ConfigError, match="lacks required field.*hidden_size"):
+        ModelConfig.from_hf_dict(cfg)
+
+
+def test_dtype_names():
+    cfg = ModelConfig.from_hf_dict({**BASE, "torch_dtype": "float32"})
+    assert resolve_dtype("auto", cfg) == torch.float32
+    assert resolve_dtype("bf16", cfg) == torch.bfloat16
+    with pytest.raises(ConfigError, match="dtype 'int8' is not supported"):
+        resolve_dtype("int8", cfg)
+
+
+def test_tensor_parallel_head_split_rules():
+    check_head_split(14, 2, 2)  # the bundled model at tp=2
+    check_head_split(8, 2, 4)   # kv heads replicated, 2 ranks each
+    with pytest.raises(ValueError, match="does not divide num_attention_heads 14"):
+        check_head_split(14, 2, 4)
+    with pytest.raises(ValueError, match="does not divide num_key_value_heads 6"):
+        check_head_split(12, 6, 4)
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 is not a multiple of num_key_value_heads 2"):
+        check_head_split(12, 2, 3)
+
+
+def test_kv_head_ownership():
+    assert [shard_kv_heads(2, TensorParallel(r, 4)) for r in range(4)] == [(1, 0), (1, 0), (1, 1), (1, 1)]
+    assert [shard_kv_heads(4, TensorParallel(r, 2)) for r in range(2)] == [(2, 0), (2, 2)]
+
+
+@pytest.fixture
+def tiny_dir(tmp_path):
+    return save_hf_dir(tiny_hf_model(seed=5), str(tmp_path / "tiny"))
+
+
+def test_renamed_tensor_is_named_as_missing_and_unexpected(tiny_dir):
+    path = os.path.join(tiny_dir, "model.safetensors")
+    tensors = load_file(path)
+    tensors["model.layers.1.self_attn.query.weight"] = tensors.pop("model.layers.1.self_attn.q_proj.weight")
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(WeightLoadError) as err:
+        LoadedModel(tiny_dir, dtype="float32")
+    msg = str(err.value)
+    assert "missing tensors: model.layers.1.self_attn.q_proj.weight" in msg
+    assert "unexpected tensors: model.layers.1.self_attn.query.weight" in msg
+    assert "expected HF Qwen2 names" in msg
+
+
+def test_wrong_shape_is_reported(tiny_dir):
+    path = os.path.join(tiny_dir, "model.safetensors")
+    tensors = load_file(path)
+    tensors["model.norm.weight"] = torch.ones(65)
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"shape \(65,\).*expects \(64,\)"):
+        LoadedModel(tiny_dir, dtype="float32")
+
+
+def test_bad_config_json_field_through_loader(tiny_dir):
+    cfg_path = os.path.join(tiny_dir, "config.json")
+    cfg = json.load(open(cfg_path))
+    cfg["hidden_act"] = "gelu"
+    json.dump(cfg, open(cfg_path, "w"))
+    with pytest.raises(ConfigError, match="hidden_act"):
+        LoadedModel(tiny_dir)
+
+
+def test_max_model_len_too_large_through_loader(tiny_dir):
+    with pytest.raises(ConfigError, match="max_model_len 100000 is larger than the model supports .256"):
+        LoadedModel(tiny_dir, max_model_len=100000)
+
+
+def test_missing_paths_explain_themselves(tmp_path):
+    from qwenserve.checkpoint import open_checkpoint
+    with pytest.raises(ValueError, match="no such file or directory"):
+        open_checkpoint(str(tmp_path / "nope"))
+    with pytest.raises(ValueError, match="has no config.json"):
+        open_checkpoint(str(tmp_path))
