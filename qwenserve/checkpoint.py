@@ -121,8 +121,11 @@ def config_from_gguf(md: dict) -> ModelConfig:
     kind = md.get("qwen2.rope.scaling.type")
     if kind and kind != "none":
         scaling = {"rope_type": kind, "factor": md.get("qwen2.rope.scaling.factor")}
-        if "qwen2.rope.scaling.original_context_length" in md:
-            scaling["original_max_position_embeddings"] = md["qwen2.rope.scaling.original_context_length"]
+        optional = {"original_context_length": "original_max_position_embeddings",
+                    "yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow"}
+        for gguf_key, hf_key in optional.items():
+            if f"qwen2.rope.scaling.{gguf_key}" in md:
+                scaling[hf_key] = md[f"qwen2.rope.scaling.{gguf_key}"]
     tokens = md.get("tokenizer.ggml.tokens")
     return ModelConfig(
         vocab_size=len(tokens) if tokens else need("vocab_size"),

@@ -147,7 +147,7 @@ class ModelConfig:
         cfg["rope_scaling"] = dict(self.rope_scaling, type=self.rope_scaling["rope_type"]) if self.rope_scaling else None
         return cfg
 
-    def log_shape(self, dtype: torch.dtype, max_model_len: int, tp_size: int = 1) -> None:
+    def log_shape(self, dtype: torch.dtype, max_model_len: int) -> None:
         logger.info("model: %d layers, hidden %d, %d heads, %d kv heads, head_dim %d, rope theta %g%s, dtype %s, "
                     "max_model_len %d", self.num_hidden_layers, self.hidden_size, self.num_attention_heads,
                     self.num_key_value_heads, self.head_dim, self.rope_theta,

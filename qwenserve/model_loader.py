@@ -36,6 +36,9 @@ def load_model(checkpoint: Checkpoint, dtype: torch.dtype, max_model_len: int,
     start = time.perf_counter()
     with _default_dtype(dtype), torch.device(device):
         model = Qwen2ForCausalLM(checkpoint.config, max_model_len, tp)
+    attn = model.model.layers[0].self_attn
+    logger.info("tensor-parallel rank %d of %d: %d query heads, %d kv heads", tp.rank, tp.size, attn.num_heads,
+                attn.num_kv_heads)
     load_weights(model, checkpoint.weights(), checkpoint.naming)
     logger.info("loaded %s weights in %.1f s", checkpoint.path, time.perf_counter() - start)
     return model.eval()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
 from tokenizers.models import BPE
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 # The split Qwen2's tokenizer.json uses before byte-level BPE (llama.cpp's pre-tokenizer "qwen2")
 QWEN2_SPLIT_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -14,14 +13,20 @@ QWEN2_SPLIT_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 
 
-def load_hf_tokenizer(path: str) -> PreTrainedTokenizerFast:
+# transformers is imported inside the functions: it takes seconds, and processes that only run the model
+# (tensor-parallel workers) never need it.
+
+
+def load_hf_tokenizer(path: str):
+    from transformers import AutoTokenizer
     try:
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise ValueError(f"could not load the tokenizer in {path} (tokenizer.json / tokenizer_config.json): {e}") from e
 
 
-def tokenizer_from_gguf(metadata: dict) -> PreTrainedTokenizerFast:
+def tokenizer_from_gguf(metadata: dict):
+    from transformers import PreTrainedTokenizerFast
     kind, pre = metadata.get("tokenizer.ggml.model"), metadata.get("tokenizer.ggml.pre")
     if kind != "gpt2":
         raise ValueError(f"GGUF tokenizer.ggml.model is {kind!r}; only byte-level BPE ('gpt2'), as Qwen2 uses, "

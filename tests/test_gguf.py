@@ -107,3 +107,21 @@ def test_truncated_gguf_is_reported(tmp_path):
     open(path, "wb").write(data[:-4096])
     with pytest.raises(ValueError, match="runs past the end of the file"):
         GGUFFile(path)
+
+
+def test_config_from_gguf_metadata_with_yarn():
+    from qwenserve.checkpoint import config_from_gguf
+    md = {"general.architecture": "qwen2", "qwen2.block_count": 2, "qwen2.context_length": 131072,
+          "qwen2.embedding_length": 64, "qwen2.feed_forward_length": 128, "qwen2.attention.head_count": 4,
+          "qwen2.attention.head_count_kv": 2, "qwen2.attention.layer_norm_rms_epsilon": 1e-6,
+          "qwen2.rope.scaling.type": "yarn", "qwen2.rope.scaling.factor": 4.0,
+          "qwen2.rope.scaling.original_context_length": 32768, "tokenizer.ggml.tokens": ["a"] * 100}
+    cfg = config_from_gguf(md)
+    assert cfg.rope_theta == 1_000_000.0  # absent freq_base: Qwen2's default
+    assert cfg.rope_scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    assert cfg.resolve_max_model_len(None) == 131072
+    assert cfg.vocab_size == 100
+    with pytest.raises(ValueError, match="general.architecture is 'llama'"):
+        config_from_gguf({**md, "general.architecture": "llama"})
+    with pytest.raises(ValueError, match="lacks qwen2.block_count"):
+        config_from_gguf({k: v for k, v in md.items() if k != "qwen2.block_count"})
