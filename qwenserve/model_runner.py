@@ -1,0 +1,87 @@
+"""Turns a scheduled batch into one flat forward pass: token ids, positions, slot mapping and block tables
+(no padding to the longest prompt), then logits for the rows that need them. Only the last position of
+each sequence that takes a token goes through the LM head (plus every prompt position of a request that
+asked for prompt logprobs)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .models.qwen2 import Qwen2ForCausalLM
+from .paged_attention import DecodeGroup, PagedBatch, PagedKVCache, PrefillSpan
+from .scheduler import ScheduledBatch
+from .sequence import Sequence
+
+
+@dataclass
+class ModelOutput:
+    sampling_seqs: list[Sequence]  # sequences that reached their last known token: they take a new one
+    logits: torch.Tensor  # [len(sampling_seqs), vocab] float32
+    # seq -> (logits [n, vocab] of its prompt chunk's positions, position of the chunk's first token)
+    prompt_logits: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)
+
+
+class ModelRunner:
+    def __init__(self, model: Qwen2ForCausalLM, cache: PagedKVCache, device: torch.device | str = "cpu"):
+        self.model = model
+        self.cache = cache
+        self.block_size = cache.block_size
+        self.device = torch.device(device)
+
+    def _tensor(self, data, dtype=torch.long) -> torch.Tensor:
+        return torch.as_tensor(data, dtype=dtype).to(self.device, non_blocking=True)
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, PagedBatch, list, list]:
+        bs = self.block_size
+        ids, positions, slots = [], [], []
+        decode_rows, decode_tables, decode_lens, prefills = [], [], [], []
+        sample_rows, sampling_seqs, prompt_rows = [], [], []
+        row = 0
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            ids.extend(seq.token_ids[start:end])
+            pos = np.arange(start, end)
+            table = np.asarray(seq.block_table[:-(-end // bs)], dtype=np.int64)
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            if n == 1 and start > 0:
+                decode_rows.append(row)
+                decode_tables.append(table)
+                decode_lens.append(end)
+            else:
+                prefills.append(PrefillSpan(row, row + n, None if start == 0 else self._tensor(table), end))
+            if end == seq.num_tokens:
+                sample_rows.append(row + n - 1)
+                sampling_seqs.append(seq)
+            if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens:
+                prompt_rows.append((seq, row, min(end, seq.num_prompt_tokens) - start, start))
+            row += n
+
+        decode = None
+        if decode_rows:
+            longest = max(decode_lens)
+            tables = np.zeros((len(decode_rows), -(-longest // bs)), dtype=np.int64)
+            for i, t in enumerate(decode_tables):
+                tables[i, :len(t)] = t
+            lens = np.asarray(decode_lens)
+            mask = None
+            if (lens != longest).any():
+                mask = self._tensor(np.arange(longest)[None, :] < lens[:, None], torch.bool)[:, None, None, :]
+            index = None if len(decode_rows) == row else self._tensor(decode_rows)
+            decode = DecodeGroup(index, self._tensor(tables), longest, mask)
+        paged = PagedBatch(self.cache, self._tensor(np.concatenate(slots)), decode, prefills)
+        return (self._tensor(ids), self._tensor(np.concatenate(positions)), paged,
+                (sample_rows, sampling_seqs), prompt_rows)
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> ModelOutput:
+        input_ids, positions, paged, (sample_rows, sampling_seqs), prompt_rows = self.prepare(batch)
+        hidden = self.model(input_ids, positions, paged)
+        logits = self.model.compute_logits(hidden[self._tensor(sample_rows)]).float()
+        out = ModelOutput(sampling_seqs, logits.cpu())
+        for seq, row, count, first_pos in prompt_rows:
+            out.prompt_logits[seq.seq_id] = (self.model.compute_logits(hidden[row:row + count]).float().cpu(),
+                                            first_pos)
+        return out

@@ -1,0 +1,102 @@
+"""Attention over the paged KV cache for one flat batch of sequences.
+
+The cache of each layer is two tensors of [num_blocks, block_size, kv_heads, head_dim]. Each step the runner
+describes its batch once (`PagedBatch`); every attention layer then writes the batch's new K/V into the
+slots assigned to them and reads each sequence's keys through its block table:
+- decode tokens (one new token per sequence) run as one batched attention, keys gathered per sequence;
+- prompt chunks run one sequence each, causally, against their cached context if they have one.
+All new K/V are written before any are read, so sequences sharing prefix blocks in one step see them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+class PagedKVCache:
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        # zeros, not empty: padded reads of never-written slots must be finite (they are masked, but NaN * 0 = NaN)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.block_size = block_size
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+
+@dataclass
+class DecodeGroup:
+    token_index: torch.Tensor | None  # rows of the flat batch; None when the batch is decode tokens only
+    block_tables: torch.Tensor  # [B, max_blocks], padded with block 0
+    context_len: int  # keys to read (the longest context)
+    mask: torch.Tensor | None  # [B, 1, 1, context_len], True = visible; None when all contexts are equal
+
+
+@dataclass
+class PrefillSpan:
+    start: int  # rows [start, end) of the flat batch
+    end: int
+    block_table: torch.Tensor | None  # None: no cached context, attend to this chunk only
+    context_len: int  # cached + new tokens
+
+
+class PagedBatch:
+    """What the attention layers need to know about one step's batch."""
+
+    def __init__(self, cache: PagedKVCache, slot_mapping: torch.Tensor, decode: DecodeGroup | None,
+                 prefills: list[PrefillSpan]):
+        self.cache = cache
+        self.slot_mapping = slot_mapping
+        self.decode = decode
+        self.prefills = prefills
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """q: [T, heads, d], k/v: [T, kv_heads, d] (this step's tokens) -> [T, heads, d]."""
+        k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
+        flat_k, flat_v = k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:])
+        flat_k.index_copy_(0, self.slot_mapping, k)
+        flat_v.index_copy_(0, self.slot_mapping, v)
+
+        d = self.decode
+        if d is not None and d.token_index is None:
+            return self._decode(q, k_cache, v_cache, d, scale)
+        out = torch.empty_like(q)
+        if d is not None:
+            out[d.token_index] = self._decode(q[d.token_index], k_cache, v_cache, d, scale)
+        for span in self.prefills:
+            out[span.start:span.end] = self._prefill(q, k, v, k_cache, v_cache, span, scale)
+        return out
+
+    @staticmethod
+    def _gather(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
+        """[..., blocks] block ids -> [..., kv_heads, length, d] keys or values."""
+        g = cache[block_tables]  # [..., blocks, block_size, kv_heads, d]
+        g = g.flatten(-4, -3)[..., :length, :, :]  # [..., tokens, kv_heads, d]
+        return g.transpose(-3, -2)
+
+    def _decode(self, q, k_cache, v_cache, d: DecodeGroup, scale):
+        keys = self._gather(k_cache, d.block_tables, d.context_len)  # [B, kv_heads, S, d]
+        values = self._gather(v_cache, d.block_tables, d.context_len)
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=d.mask, scale=scale,
+                                             enable_gqa=True)  # [B, heads, 1, d]
+        return out.squeeze(2)
+
+    def _prefill(self, q, k, v, k_cache, v_cache, span: PrefillSpan, scale):
+        query = q[span.start:span.end].transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
+        n = span.end - span.start
+        if span.block_table is None:
+            keys = k[span.start:span.end].transpose(0, 1).unsqueeze(0)
+            values = v[span.start:span.end].transpose(0, 1).unsqueeze(0)
+            out = F.scaled_dot_product_attention(query, keys, values, is_causal=n > 1, scale=scale, enable_gqa=True)
+        else:
+            keys = self._gather(k_cache, span.block_table, span.context_len).unsqueeze(0)
+            values = self._gather(v_cache, span.block_table, span.context_len).unsqueeze(0)
+            past = span.context_len - n  # query i sits at position past + i and sees keys 0..past + i
+            mask = torch.ones(n, span.context_len, dtype=torch.bool, device=q.device).tril(diagonal=past)
+            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+        return out.squeeze(0).transpose(0, 1)
