@@ -169,10 +169,7 @@ class LLMEngine:
             self._record_prompt_logprobs(seq, logits, first_pos)
         for i, seq in enumerate(out.sampling_seqs):
             if seq.fork_children:
-                for child in seq.fork_children:
-                    self.kv.fork(seq, child)
-                    self.scheduler.add(child, front=True)
-                seq.fork_children = []
+                self.scheduler.fork(seq)
             self._append_token(seq, sample.token_ids[i], sample.logprobs[i], sample.sampled_logprob[i], now)
         outputs = [self._output(req) for req in touched.values()]
         for req in touched.values():

@@ -69,13 +69,11 @@ class Scheduler:
             return batch  # no admissions while memory is this tight
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            fresh = not seq.block_table
-            cached = self.kv.find_cached_prefix(seq) if fresh else []
-            computed = len(cached) * self.kv.block_size if cached else seq.num_computed_tokens
-            n = min(seq.num_tokens - computed, budget)
+            cached = self.kv.find_cached_prefix(seq)
+            n = min(seq.num_tokens - len(cached) * self.kv.block_size, budget)
             if not self.kv.allocate(seq, n, cached):
                 break
-            if fresh and seq.num_preemptions == 0:
+            if seq.num_preemptions == 0:
                 self.kv.record_query(seq.num_prompt_tokens)
             self.waiting.popleft()
             seq.status = Status.RUNNING
@@ -83,6 +81,19 @@ class Scheduler:
             batch.add(seq, n)
             budget -= n
         return batch
+
+    def fork(self, parent: Sequence) -> None:
+        """Start parent's sibling samples once its prompt is computed: each shares the prompt's full blocks and
+        runs at once (a waiting sequence never holds blocks, or it could starve the running ones). Without a
+        free sequence slot a sibling waits like a new request, finding the prompt in the prefix cache if on."""
+        for child in parent.fork_children:
+            if len(self.running) < self.max_num_seqs:
+                self.kv.fork(parent, child)
+                child.status = Status.RUNNING
+                self.running.append(child)
+            else:
+                self.add(child)
+        parent.fork_children = []
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free_sequence(seq)
