@@ -5,13 +5,36 @@ import argparse
 import logging
 import sys
 
+from .engine_config import EngineConfig
 
-def _model_args(p: argparse.ArgumentParser, dtype_default: str = "auto") -> None:
+
+def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="HF checkpoint directory or .gguf file (default: the bundled Qwen2.5-Coder-0.5B-Instruct)")
-    p.add_argument("--dtype", default=dtype_default, help="auto, float32, bfloat16 or float16 (default: %(default)s)")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (default: %(default)s)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's max_position_embeddings)")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Every EngineConfig field as a flag (the server takes the same ones)."""
+    _model_args(p)
+    d = EngineConfig()
+    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block (default: %(default)s)")
+    p.add_argument("--kv-cache-memory", default="2GiB", help="KV cache size, e.g. 2GiB or bytes (default: %(default)s)")
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+                   help="sequences per step at most (default: %(default)s)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   help="tokens per step at most; longer prompts are chunked (default: %(default)s)")
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="do not reuse KV blocks of repeated prompt prefixes")
+
+
+def engine_config_from_args(args) -> EngineConfig:
+    return EngineConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+                        block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        enable_prefix_caching=args.enable_prefix_caching)
 
 
 def _positive_int(text: str) -> int:
@@ -26,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="complete one prompt and print the result")
-    _model_args(gen)
+    add_engine_args(gen)
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--chat", action="store_true", help="format the prompt as a user message with the chat template")
     gen.add_argument("--system", default=None, help="system message (with --chat)")
@@ -52,36 +75,65 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(load)
     load.add_argument("--baseline", choices=["hf"], default=None, help="also time HF transformers on the same file")
     load.add_argument("--json", action="store_true")
+
+    tput = bench_sub.add_parser("throughput", help="offline throughput: all requests at once, exact output lengths")
+    add_engine_args(tput)
+    tput.add_argument("--num-prompts", type=_positive_int, default=32)
+    tput.add_argument("--input-len", type=_positive_int, default=128)
+    tput.add_argument("--output-len", type=_positive_int, default=64)
+    tput.add_argument("--varied", action="store_true",
+                      help="prompt lengths 16-512 and output lengths 8-256 (deterministic) instead of fixed ones")
+    tput.add_argument("--baseline", choices=["hf"], default=None,
+                      help="also run HF transformers (static batches, left padded, run to the longest)")
+    tput.add_argument("--hf-batch-size", type=_positive_int, default=32)
+    tput.add_argument("--json", action="store_true")
+
+    lat = bench_sub.add_parser("latency", help="one request: time to first token and per output token")
+    add_engine_args(lat)
+    lat.add_argument("--input-len", type=_positive_int, default=128)
+    lat.add_argument("--output-len", type=_positive_int, default=128)
+    lat.add_argument("--baseline", choices=["hf"], default=None)
+    lat.add_argument("--json", action="store_true")
+
+    pre = bench_sub.add_parser("prefix", help="TTFT with a cached vs an uncached shared prefix")
+    add_engine_args(pre)
+    pre.add_argument("--prefix-len", type=_positive_int, default=1024)
+    pre.add_argument("--num-prompts", type=_positive_int, default=5)
+    pre.add_argument("--json", action="store_true")
     return parser
 
 
 def cmd_bench(args) -> int:
-    from .bench import bench_load, print_result
+    from . import bench
 
     if args.bench_command == "load":
-        print_result("load time", bench_load(args.model, args.dtype, args.baseline), args.json)
+        result = bench.bench_load(args.model, args.dtype, args.baseline)
+    elif args.bench_command == "throughput":
+        result = bench.bench_throughput(engine_config_from_args(args), args.num_prompts, args.input_len,
+                                        args.output_len, args.varied, args.baseline, args.hf_batch_size)
+    elif args.bench_command == "latency":
+        result = bench.bench_latency(engine_config_from_args(args), args.input_len, args.output_len, args.baseline)
+    else:
+        result = bench.bench_prefix(engine_config_from_args(args), args.prefix_len, args.num_prompts)
+    bench.print_result(f"bench {args.bench_command}", result, args.json)
     return 0
 
 
 def cmd_generate(args) -> int:
-    from .model_loader import LoadedModel
-    from .simple_generate import SimpleGenerator
-    from .tokenizer import chat_prompt_ids
+    from .llm import LLM
+    from .sampling_params import SamplingParams
 
-    if args.temperature < 0:
-        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
-    loaded = LoadedModel(args.model, args.dtype, args.max_model_len)
-    tok = loaded.tokenizer
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    llm = LLM(**vars(engine_config_from_args(args)))
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
-        ids = chat_prompt_ids(tok, messages + [{"role": "user", "content": args.prompt}])
+        out = llm.chat(messages + [{"role": "user", "content": args.prompt}], params, use_tqdm=False)[0]
     else:
-        ids = tok.encode(args.prompt, add_special_tokens=False)
-    result = SimpleGenerator(loaded.model, loaded.max_model_len).generate(
-        ids, args.max_tokens, args.temperature, stop_token_ids=loaded.stop_token_ids(), seed=args.seed)
-    print(tok.decode(result.token_ids, skip_special_tokens=True))
-    logging.getLogger("qwenserve").info("%d prompt tokens, %d generated, finish_reason=%s", len(ids),
-                                        len(result.token_ids), result.finish_reason)
+        out = llm.generate(args.prompt, params, use_tqdm=False)[0]
+    print(out.outputs[0].text)
+    logging.getLogger("qwenserve").info("%d prompt tokens, %d generated, finish_reason=%s",
+                                        len(out.prompt_token_ids), len(out.outputs[0].token_ids),
+                                        out.outputs[0].finish_reason)
     return 0
 
 

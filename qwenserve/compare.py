@@ -86,19 +86,24 @@ def compare_one(prompt_text: str, hf_tokens, hf_logits, qs_tokens, qs_logits) ->
 
 
 def run_compare(model: str | None, prompts: list, max_tokens: int) -> list[PromptComparison]:
-    from .model_loader import LoadedModel
-    from .simple_generate import SimpleGenerator
+    """Each prompt alone through the engine (greedy, float32, logits recorded) and through HF transformers."""
+    from .engine import LLMEngine
+    from .engine_config import EngineConfig
+    from .sampling_params import SamplingParams
 
-    ours = LoadedModel(model, dtype=torch.float32)
-    generator = SimpleGenerator(ours.model, ours.max_model_len)
-    hf_model = load_hf_model(ours.checkpoint.path)
-    stop_ids = ours.stop_token_ids()
+    engine = LLMEngine(EngineConfig(model=model, dtype="float32", kv_cache_memory="1GiB", record_logits=True))
+    hf_model = load_hf_model(engine.loaded.checkpoint.path)
     results = []
-    for prompt in prompts:
-        text, ids = prompt_ids(ours.tokenizer, prompt)
-        hf_tokens, hf_logits = hf_greedy(hf_model, ids, max_tokens, stop_ids)
-        gen = generator.generate(ids, max_tokens, stop_token_ids=stop_ids, keep_logits=True)
-        results.append(compare_one(text, hf_tokens, hf_logits, gen.token_ids, gen.logits))
+    for i, prompt in enumerate(prompts):
+        text, ids = prompt_ids(engine.tokenizer, prompt)
+        hf_tokens, hf_logits = hf_greedy(hf_model, ids, max_tokens, set(engine.eos_token_ids))
+        engine.add_request(f"compare-{i}", {"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+        final = None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                final = out
+        ours = final.outputs[0]
+        results.append(compare_one(text, hf_tokens, hf_logits, ours.token_ids, ours.logits))
     return results
 
 

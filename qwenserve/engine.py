@@ -170,6 +170,8 @@ class LLMEngine:
         for i, seq in enumerate(out.sampling_seqs):
             if seq.fork_children:
                 self.scheduler.fork(seq)
+            if self.config.record_logits:
+                seq.recorded_logits.append(out.logits[i])
             self._append_token(seq, sample.token_ids[i], sample.logprobs[i], sample.sampled_logprob[i], now)
         outputs = [self._output(req) for req in touched.values()]
         for req in touched.values():
@@ -220,7 +222,8 @@ class LLMEngine:
                 cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None else None,
                 logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-                text_delta=visible[state.emitted_text:], token_ids_delta=outputs[state.emitted_tokens:]))
+                text_delta=visible[state.emitted_text:], token_ids_delta=outputs[state.emitted_tokens:],
+                logits=list(seq.recorded_logits) if self.config.record_logits else None))
             state.emitted_text, state.emitted_tokens = max(state.emitted_text, len(visible)), len(outputs)
         first = req.seqs[0]
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, first.prompt_logprobs, completions,

@@ -31,6 +31,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 4096
     enable_prefix_caching: bool = True
     device: str = "cpu"
+    record_logits: bool = False  # keep each sampled step's logits on the outputs (compare, debugging: costly)
 
     def __post_init__(self):
         self.kv_cache_memory = parse_size(self.kv_cache_memory)

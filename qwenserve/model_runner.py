@@ -23,6 +23,21 @@ class ModelOutput:
     prompt_logits: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)
 
 
+@torch.inference_mode()
+def full_logits(model: Qwen2ForCausalLM, token_ids: list[int]) -> torch.Tensor:
+    """Logits at every position of one sequence ([T, vocab], float32) from a single prefill, with a cache of
+    its own: for scoring, validation and tests."""
+    device = model.lm_head.weight.device
+    attn = model.model.layers[0].self_attn
+    n, block = len(token_ids), 16
+    cache = PagedKVCache(len(model.model.layers), -(-n // block), block, attn.num_kv_heads, attn.head_dim,
+                         model.lm_head.weight.dtype, device)
+    positions = torch.arange(n, device=device)
+    batch = PagedBatch(cache, positions, None, [PrefillSpan(0, n, None, n)])
+    hidden = model(torch.tensor(token_ids, device=device), positions, batch)
+    return model.compute_logits(hidden).float()
+
+
 class ModelRunner:
     def __init__(self, model: Qwen2ForCausalLM, cache: PagedKVCache, device: torch.device | str = "cpu"):
         self.model = model

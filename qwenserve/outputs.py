@@ -17,6 +17,7 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     text_delta: str = ""  # text added since the previous output of this request (for streaming)
     token_ids_delta: list[int] = field(default_factory=list)
+    logits: list | None = None  # per generated token, only with EngineConfig.record_logits
 
     @property
     def finished(self) -> bool:

@@ -46,6 +46,7 @@ class Sequence:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_preemptions: int = 0
     fork_children: list["Sequence"] = field(default_factory=list)  # siblings waiting for this prompt's blocks
+    recorded_logits: list[torch.Tensor] = field(default_factory=list)  # with EngineConfig.record_logits
 
     @property
     def num_tokens(self) -> int:

@@ -9,7 +9,7 @@ from qwenserve.checkpoint import GGUFCheckpoint, gguf_to_hf_name
 from qwenserve.dequant import dequantize
 from qwenserve.gguf_file import GGUFFile
 from qwenserve.model_loader import LoadedModel
-from qwenserve.simple_generate import SimpleGenerator
+from qwenserve.model_runner import full_logits
 
 Q = GGMLQuantizationType
 # where each block format keeps its fp16 scale(s): random bytes there could be inf/nan
@@ -60,7 +60,7 @@ def test_tiny_gguf_loads_like_hf_loads_it(tmp_path, quant):
     ids = list(range(5, 45))
     with torch.no_grad():
         expected = reference(torch.tensor([ids])).logits[0]
-    torch.testing.assert_close(SimpleGenerator(ours.model, 256).prompt_logits(ids), expected, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(full_logits(ours.model, ids), expected, atol=2e-5, rtol=1e-4)
 
 
 def test_tied_gguf_without_output_tensor(tmp_path):

@@ -2,9 +2,11 @@
 import pytest
 import torch
 
-from helpers import save_hf_dir, tiny_hf_model
 from qwenserve.model_loader import LoadedModel
-from qwenserve.simple_generate import SimpleGenerator
+
+from helpers import save_hf_dir, tiny_hf_model
+from qwenserve import LLM, SamplingParams
+from qwenserve.model_runner import full_logits
 
 SHAPES = {
     "untied-gqa": dict(num_attention_heads=4, num_key_value_heads=2),
@@ -24,7 +26,7 @@ def pair(request, tmp_path_factory):
     """(HF model, our loaded model) on the same random weights, both float32."""
     hf = tiny_hf_model(seed=len(request.param), **SHAPES[request.param])
     path = save_hf_dir(hf, str(tmp_path_factory.mktemp(request.param)))
-    return request.param, hf, LoadedModel(path, dtype="float32")
+    return request.param, hf, LLM(path, dtype="float32", kv_cache_memory="4MiB", record_logits=True)
 
 
 def _prompt(n: int, vocab: int, seed: int = 1) -> list[int]:
@@ -37,7 +39,7 @@ def test_logits_match_hf_over_whole_sequence(pair):
     ids = _prompt(70 if name == "rope-dynamic" else 40, hf.config.vocab_size)
     with torch.no_grad():
         expected = hf(torch.tensor([ids])).logits[0]
-    got = SimpleGenerator(ours.model, ours.max_model_len).prompt_logits(ids)
+    got = full_logits(ours.engine.loaded.model, ids)
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
 
@@ -49,17 +51,18 @@ def test_greedy_generation_matches_hf(pair):
     with torch.no_grad():
         expected = hf.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
                                attention_mask=torch.ones(1, len(ids), dtype=torch.long))[0, len(ids):].tolist()
-    got = SimpleGenerator(ours.model, ours.max_model_len).generate(ids, n).token_ids
-    assert got == expected
+    out = ours.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
+                        use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == expected
 
 
 def test_cached_decoding_equals_full_recompute(pair):
-    """Logits of each decode step (KV cache) equal the logits of one forward over the whole sequence."""
+    """Logits of each decode step (paged KV cache) equal the logits of one forward over the whole sequence."""
     _, hf, ours = pair
-    gen = SimpleGenerator(ours.model, ours.max_model_len)
     ids = _prompt(9, hf.config.vocab_size, seed=3)
-    out = gen.generate(ids, 10, keep_logits=True)
-    full = gen.prompt_logits(ids + out.token_ids[:-1])
+    out = ours.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    full = full_logits(ours.engine.loaded.model, ids + out.token_ids[:-1])
     torch.testing.assert_close(torch.stack(out.logits), full[len(ids) - 1:], atol=1e-5, rtol=1e-5)
 
 
@@ -68,8 +71,8 @@ def test_bfloat16_agrees_with_float32(tmp_path):
     hf = tiny_hf_model(seed=7)
     path = save_hf_dir(hf, str(tmp_path / "m"))
     ids = _prompt(64, hf.config.vocab_size, seed=4)
-    f32 = SimpleGenerator(LoadedModel(path, dtype="float32").model, 256).prompt_logits(ids)
-    b16 = SimpleGenerator(LoadedModel(path, dtype="bfloat16").model, 256).prompt_logits(ids)
+    f32 = full_logits(LoadedModel(path, dtype="float32").model, ids)
+    b16 = full_logits(LoadedModel(path, dtype="bfloat16").model, ids)
     assert (f32.argmax(-1) == b16.argmax(-1)).float().mean() >= 0.9
     assert (f32 - b16).abs().max() < 0.1 * f32.abs().max()
 

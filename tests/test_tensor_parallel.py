@@ -24,13 +24,13 @@ def _rank_logits(rank: int, world: int, port: int, path: str, out):
     from qwenserve.checkpoint import open_checkpoint
     from qwenserve.model_loader import load_model
     from qwenserve.parallel import TensorParallel
-    from qwenserve.simple_generate import SimpleGenerator
+    from qwenserve.model_runner import full_logits
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         model = load_model(open_checkpoint(path), torch.float32, 256, TensorParallel(rank, world, dist.group.WORLD))
-        logits = SimpleGenerator(model, 256).prompt_logits(IDS)
+        logits = full_logits(model, IDS)
         out.put((rank, logits.numpy()))  # by value: a shared tensor dies with this process
     finally:
         dist.destroy_process_group()
@@ -44,10 +44,10 @@ def _rank_logits(rank: int, world: int, port: int, path: str, out):
 ])
 def test_tensor_parallel_logits_equal_single_process(tmp_path, tp, shape):
     from qwenserve.model_loader import LoadedModel
-    from qwenserve.simple_generate import SimpleGenerator
+    from qwenserve.model_runner import full_logits
 
     path = save_hf_dir(tiny_hf_model(seed=31, **shape), str(tmp_path / "m"))
-    expected = SimpleGenerator(LoadedModel(path, dtype="float32").model, 256).prompt_logits(IDS)
+    expected = full_logits(LoadedModel(path, dtype="float32").model, IDS)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
