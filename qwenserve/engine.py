@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .cpu_tuning import keep_large_allocations_in_heap
 from .detokenizer import IncrementalDetokenizer, StopStringMatcher
 from .engine_config import EngineConfig
 from .kv_cache_manager import KVCacheManager
@@ -53,6 +54,8 @@ class _Request:
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         self.config = config
+        if torch.device(config.device).type == "cpu":
+            keep_large_allocations_in_heap()
         self.loaded = loaded or LoadedModel(config.model, config.dtype, config.max_model_len, config.device)
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = self.loaded.max_model_len
@@ -171,7 +174,7 @@ class LLMEngine:
             if seq.fork_children:
                 self.scheduler.fork(seq)
             if self.config.record_logits:
-                seq.recorded_logits.append(out.logits[i])
+                seq.recorded_logits.append(out.logits[i].float())
             self._append_token(seq, sample.token_ids[i], sample.logprobs[i], sample.sampled_logprob[i], now)
         outputs = [self._output(req) for req in touched.values()]
         for req in touched.values():

@@ -40,6 +40,7 @@ def load_model(checkpoint: Checkpoint, dtype: torch.dtype, max_model_len: int,
     logger.info("tensor-parallel rank %d of %d: %d query heads, %d kv heads", tp.rank, tp.size, attn.num_heads,
                 attn.num_kv_heads)
     load_weights(model, checkpoint.weights(), checkpoint.naming)
+    model.pack_weights_for_cpu()
     logger.info("loaded %s weights in %.1f s", checkpoint.path, time.perf_counter() - start)
     return model.eval()
 

@@ -18,7 +18,7 @@ from .sequence import Sequence
 @dataclass
 class ModelOutput:
     sampling_seqs: list[Sequence]  # sequences that reached their last known token: they take a new one
-    logits: torch.Tensor  # [len(sampling_seqs), vocab] float32
+    logits: torch.Tensor  # [len(sampling_seqs), vocab], model dtype
     # seq -> (logits [n, vocab] of its prompt chunk's positions, position of the chunk's first token)
     prompt_logits: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)
 
@@ -27,11 +27,11 @@ class ModelOutput:
 def full_logits(model: Qwen2ForCausalLM, token_ids: list[int]) -> torch.Tensor:
     """Logits at every position of one sequence ([T, vocab], float32) from a single prefill, with a cache of
     its own: for scoring, validation and tests."""
-    device = model.lm_head.weight.device
+    device = model.device
     attn = model.model.layers[0].self_attn
     n, block = len(token_ids), 16
     cache = PagedKVCache(len(model.model.layers), -(-n // block), block, attn.num_kv_heads, attn.head_dim,
-                         model.lm_head.weight.dtype, device)
+                         model.dtype, device)
     positions = torch.arange(n, device=device)
     batch = PagedBatch(cache, positions, None, [PrefillSpan(0, n, None, n)])
     hidden = model(torch.tensor(token_ids, device=device), positions, batch)
@@ -94,7 +94,7 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> ModelOutput:
         input_ids, positions, paged, (sample_rows, sampling_seqs), prompt_rows = self.prepare(batch)
         hidden = self.model(input_ids, positions, paged)
-        logits = self.model.compute_logits(hidden[self._tensor(sample_rows)]).float()
+        logits = self.model.compute_logits(hidden[self._tensor(sample_rows)])
         out = ModelOutput(sampling_seqs, logits.cpu())
         for seq, row, count, first_pos in prompt_rows:
             out.prompt_logits[seq.seq_id] = (self.model.compute_logits(hidden[row:row + count]).float().cpu(),

@@ -38,12 +38,21 @@ def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> list[d
     return rows
 
 
+def _plain_greedy(seq: Sequence) -> bool:
+    p = seq.params
+    return (p.greedy and p.logprobs is None and p.repetition_penalty == 1.0 and not p.presence_penalty
+            and not p.frequency_penalty and seq.num_output_tokens >= p.min_tokens)
+
+
 class Sampler:
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
-        """logits: [B, V] float32, one row per sequence that takes a token this step."""
+        """logits: [B, V] in the model's dtype, one row per sequence that takes a token this step."""
+        if all(_plain_greedy(s) for s in seqs):  # the common case: argmax on the raw logits, no float copy
+            return SampleResult(logits.argmax(dim=-1).tolist(), [None] * len(seqs), [None] * len(seqs))
+        logits = logits.float()
         params = [s.params for s in seqs]
         want_logprobs = [p.logprobs is not None for p in params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None

@@ -108,3 +108,27 @@ def test_bundled_model_shape_and_default_id():
     assert ckpt.model_id == "qwen2.5-coder-0.5b-instruct"
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
             cfg.head_dim, cfg.rope_theta, cfg.tie_word_embeddings) == (24, 896, 14, 2, 64, 1e6, False)
+
+
+@pytest.mark.slow
+def test_bundled_model_batched_engine_equals_each_alone_and_bf16_agrees():
+    """The four compare prompts in one batch (float32) give the tokens each gives alone, which the compare
+    test checks against HF; bfloat16 agrees with float32 on at least 90% of next-token choices."""
+    from qwenserve import LLM, SamplingParams
+    from qwenserve.compare import DEFAULT_PROMPTS, prompt_ids
+    from qwenserve.model_runner import full_logits
+
+    llm = LLM(None, dtype="float32", kv_cache_memory="512MiB")
+    tok = llm.get_tokenizer()
+    ids = [prompt_ids(tok, p)[1] for p in DEFAULT_PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    batched = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": i} for i in ids], params)]
+    alone = [llm.generate([{"prompt_token_ids": i}], params, use_tqdm=False)[0].outputs[0].token_ids for i in ids]
+    assert batched == alone
+
+    sequence = ids[2] + batched[2]
+    f32 = full_logits(llm.engine.loaded.model, sequence).argmax(-1)
+    del llm
+    bf16 = LLM(None, dtype="bfloat16", kv_cache_memory="256MiB")
+    b16 = full_logits(bf16.engine.loaded.model, sequence).argmax(-1)
+    assert (f32 == b16).float().mean() >= 0.9

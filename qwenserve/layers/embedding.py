@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..parallel import TensorParallel
+from .linear import cpu_weight_packing_available, pack_weight, packed_linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -37,8 +38,19 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Hidden states -> logits over the full vocabulary (each rank computes its slice, then gather)."""
 
+    packed_weight: torch.Tensor | None = None
+
+    def pack_for_cpu(self) -> None:
+        """As the linear layers do (see _ParallelLinear.pack_for_cpu). A tied head keeps the shared weight for
+        the embedding lookup, so packing it costs one more copy of the vocabulary matrix."""
+        if self.packed_weight is None and cpu_weight_packing_available(self.weight):
+            self.packed_weight = pack_weight(self.weight)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        if self.packed_weight is not None:
+            logits = packed_linear(hidden.contiguous(), self.packed_weight, None)
+        else:
+            logits = F.linear(hidden, self.weight)
         if self.tp.size > 1:
             logits = self.tp.all_gather_last_dim(logits)
         return logits[..., :self.vocab_size]

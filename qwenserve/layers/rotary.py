@@ -65,7 +65,9 @@ class RotaryEmbedding(nn.Module):
         # dynamic NTK changes the frequencies with the sequence length, beyond the original context only
         self.dynamic = kind == "dynamic"
         table_len = original_max_position if self.dynamic else max_position
-        self.register_buffer("cos_sin", self._cos_sin(torch.arange(table_len), inv_freq), persistent=False)
+        # computed in float32, stored in the run dtype: HF casts cos/sin to the activations' dtype before use
+        self.register_buffer("cos_sin", self._cos_sin(torch.arange(table_len), inv_freq).to(torch.get_default_dtype()),
+                             persistent=False)
 
     def _cos_sin(self, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
         freqs = positions.float()[:, None] * inv_freq[None, :]

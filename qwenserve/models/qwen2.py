@@ -43,6 +43,8 @@ class Qwen2Attention(nn.Module):
 
 
 class Qwen2MLP(nn.Module):
+    ROWS_PER_PASS = 512
+
     def __init__(self, config: ModelConfig, tp: TensorParallel):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, tp=tp)
@@ -50,6 +52,13 @@ class Qwen2MLP(nn.Module):
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > self.ROWS_PER_PASS:
+            # large prompt batches in slices: the [rows, 2 * intermediate] activation then stays in cache
+            # (measured on CPU: 4096 tokens at once took 1.7x the time of 512-row slices)
+            return torch.cat([self._mlp(part) for part in x.split(self.ROWS_PER_PASS)])
+        return self._mlp(x)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
@@ -102,6 +111,7 @@ class Qwen2ForCausalLM(nn.Module):
         super().__init__()
         check_head_split(config.num_attention_heads, config.num_key_value_heads, tp.size)
         self.config = config
+        self.dtype = torch.get_default_dtype()  # parameters are created in it (see model_loader)
         self.model = Qwen2Model(config, max_position, tp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         if config.tie_word_embeddings:
@@ -112,3 +122,17 @@ class Qwen2ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def pack_weights_for_cpu(self) -> None:
+        """Pre-arrange matmul weights for oneDNN once loading is done (bf16 on CPU; a no-op otherwise)."""
+        for module in self.modules():
+            if hasattr(module, "pack_for_cpu"):
+                module.pack_for_cpu()
+        if self.config.tie_word_embeddings:
+            return
+        if self.lm_head.packed_weight is not None:  # untied: the plain head weight is no longer read
+            self.lm_head.weight = None
