@@ -14,6 +14,8 @@ from .paged_attention import DecodeGroup, PagedBatch, PagedKVCache, PrefillSpan
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
 
+MAX_DECODE_GROUPS = 4
+
 
 @dataclass
 class ModelOutput:
@@ -33,7 +35,7 @@ def full_logits(model: Qwen2ForCausalLM, token_ids: list[int]) -> torch.Tensor:
     cache = PagedKVCache(len(model.model.layers), -(-n // block), block, attn.num_kv_heads, attn.head_dim,
                          model.dtype, device)
     positions = torch.arange(n, device=device)
-    batch = PagedBatch(cache, positions, None, [PrefillSpan(0, n, None, n)])
+    batch = PagedBatch(cache, positions, [], [PrefillSpan(0, n, None, n)])
     hidden = model(torch.tensor(token_ids, device=device), positions, batch)
     return model.compute_logits(hidden).float()
 
@@ -74,21 +76,40 @@ class ModelRunner:
                 prompt_rows.append((seq, row, min(end, seq.num_prompt_tokens) - start, start))
             row += n
 
-        decode = None
-        if decode_rows:
-            longest = max(decode_lens)
-            tables = np.zeros((len(decode_rows), -(-longest // bs)), dtype=np.int64)
-            for i, t in enumerate(decode_tables):
-                tables[i, :len(t)] = t
-            lens = np.asarray(decode_lens)
-            mask = None
-            if (lens != longest).any():
-                mask = self._tensor(np.arange(longest)[None, :] < lens[:, None], torch.bool)[:, None, None, :]
-            index = None if len(decode_rows) == row else self._tensor(decode_rows)
-            decode = DecodeGroup(index, self._tensor(tables), longest, mask)
+        decode = self._decode_groups(decode_rows, decode_tables, decode_lens, row)
         paged = PagedBatch(self.cache, self._tensor(np.concatenate(slots)), decode, prefills)
         return (self._tensor(ids), self._tensor(np.concatenate(positions)), paged,
                 (sample_rows, sampling_seqs), prompt_rows)
+
+    def _decode_groups(self, rows: list[int], tables: list[np.ndarray], lens: list[int], num_rows: int):
+        """Decode tokens in up to MAX_DECODE_GROUPS batched attentions, sequences of similar context length
+        together: each group pads (gathers and masks) only to its own longest context."""
+        if not rows:
+            return []
+        order = np.argsort(lens, kind="stable")
+        groups = [order]
+        lens_arr = np.asarray(lens)
+        if len(rows) >= 2 * MAX_DECODE_GROUPS and lens_arr.max() > 2 * lens_arr.min():
+            groups = np.array_split(order, MAX_DECODE_GROUPS)
+        bs = self.block_size
+        out = []
+        for members in groups:
+            longest = int(lens_arr[members].max())
+            block_tables = np.zeros((len(members), -(-longest // bs)), dtype=np.int64)
+            for i, m in enumerate(members):
+                block_tables[i, :len(tables[m])] = tables[m]
+            member_lens = lens_arr[members]
+            mask = None
+            if (member_lens != longest).any():
+                mask = self._tensor(np.arange(longest)[None, :] < member_lens[:, None], torch.bool)[:, None, None, :]
+            all_rows = len(groups) == 1 and len(rows) == num_rows
+            index = None if all_rows else self._tensor(np.asarray(rows)[members])
+            if all_rows:  # the batch is decode tokens only, in row order: no scatter needed
+                block_tables = block_tables[np.argsort(members, kind="stable")]
+                if mask is not None:
+                    mask = mask[self._tensor(np.argsort(members, kind="stable"))]
+            out.append(DecodeGroup(index, self._tensor(block_tables), longest, mask))
+        return out
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> ModelOutput:

@@ -3,7 +3,8 @@
 The cache of each layer is two tensors of [num_blocks, block_size, kv_heads, head_dim]. Each step the runner
 describes its batch once (`PagedBatch`); every attention layer then writes the batch's new K/V into the
 slots assigned to them and reads each sequence's keys through its block table:
-- decode tokens (one new token per sequence) run as one batched attention, keys gathered per sequence;
+- decode tokens (one new token per sequence) run as a few batched attentions, grouped by context length,
+  keys gathered per sequence;
 - prompt chunks run one sequence each, causally, against their cached context if they have one.
 All new K/V are written before any are read, so sequences sharing prefix blocks in one step see them.
 """
@@ -48,7 +49,7 @@ class PrefillSpan:
 class PagedBatch:
     """What the attention layers need to know about one step's batch."""
 
-    def __init__(self, cache: PagedKVCache, slot_mapping: torch.Tensor, decode: DecodeGroup | None,
+    def __init__(self, cache: PagedKVCache, slot_mapping: torch.Tensor, decode: list[DecodeGroup],
                  prefills: list[PrefillSpan]):
         self.cache = cache
         self.slot_mapping = slot_mapping
@@ -62,11 +63,10 @@ class PagedBatch:
         flat_k.index_copy_(0, self.slot_mapping, k)
         flat_v.index_copy_(0, self.slot_mapping, v)
 
-        d = self.decode
-        if d is not None and d.token_index is None:
-            return self._decode(q, k_cache, v_cache, d, scale)
+        if len(self.decode) == 1 and self.decode[0].token_index is None:  # decode tokens only, one group
+            return self._decode(q, k_cache, v_cache, self.decode[0], scale)
         out = torch.empty_like(q)
-        if d is not None:
+        for d in self.decode:
             out[d.token_index] = self._decode(q[d.token_index], k_cache, v_cache, d, scale)
         for span in self.prefills:
             out[span.start:span.end] = self._prefill(q, k, v, k_cache, v_cache, span, scale)
