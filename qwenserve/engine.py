@@ -6,7 +6,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -44,7 +44,6 @@ class _Request:
     seqs: list[Sequence]
     text: list[_TextState]
     metrics: RequestMetrics
-    prompt_logprobs: list | None = field(default=None)
 
     @property
     def finished(self) -> bool:
