@@ -1,4 +1,4 @@
-"""The `qwenserve` command: generate, compare, convert, bench."""
+"""The `qwenserve` command: serve, generate, compare, convert, bench."""
 from __future__ import annotations
 
 import argparse
@@ -47,6 +47,14 @@ def _positive_int(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qwenserve", description="Serving engine for Qwen2-family models")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    srv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    add_engine_args(srv)
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--served-model-name", nargs="+", default=None,
+                     help="model ids clients may ask for (default: the model's id)")
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (not on /health, /metrics)")
 
     gen = sub.add_parser("generate", help="complete one prompt and print the result")
     add_engine_args(gen)
@@ -119,6 +127,24 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from .async_engine import AsyncLLMEngine
+    from .engine import LLMEngine
+    from .server import OpenAIServer
+
+    engine = AsyncLLMEngine(LLMEngine(engine_config_from_args(args)))
+    names = args.served_model_name or [engine.engine.loaded.model_id]
+    app = OpenAIServer(engine, names, args.api_key).build_app()
+    logging.getLogger("qwenserve").info("serving %s at http://%s:%d/v1", ", ".join(names), args.host, args.port)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    finally:
+        engine.shutdown()
+    return 0
+
+
 def cmd_generate(args) -> int:
     from .llm import LLM
     from .sampling_params import SamplingParams
@@ -155,7 +181,7 @@ def cmd_convert(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    handler = {"generate": cmd_generate, "compare": cmd_compare, "convert": cmd_convert,
+    handler = {"serve": cmd_serve, "generate": cmd_generate, "compare": cmd_compare, "convert": cmd_convert,
                "bench": cmd_bench}[args.command]
     try:
         return handler(args)

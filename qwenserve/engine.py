@@ -78,6 +78,7 @@ class LLMEngine:
         self.sampler = Sampler(self.loaded.config.vocab_size)
         self.eos_token_ids = frozenset(self.loaded.stop_token_ids())
         self.requests: dict[str, _Request] = {}
+        self.num_aborted = 0  # requests stopped before their end (client gone, or an explicit abort)
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
 
@@ -142,6 +143,7 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
+        self.num_aborted += 1
         for seq in req.seqs:
             if not seq.finished:
                 self.scheduler.finish(seq, "abort")

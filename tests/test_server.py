@@ -1,0 +1,190 @@
+"""The OpenAI-compatible server, live on a loopback port, driven by the official openai client and raw HTTP."""
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from helpers import save_hf_dir, tiny_hf_model
+from qwenserve.async_engine import AsyncLLMEngine
+from qwenserve.engine import LLMEngine
+from qwenserve.engine_config import EngineConfig
+from qwenserve.server import OpenAIServer
+
+KEY = "test-key"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    path = save_hf_dir(tiny_hf_model(seed=51, max_position_embeddings=256), str(tmp_path_factory.mktemp("srv")))
+    engine = AsyncLLMEngine(LLMEngine(EngineConfig(model=path, dtype="float32", kv_cache_memory="8MiB")))
+    app = OpenAIServer(engine, ["tiny", "tiny-alias"], api_key=KEY).build_app()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not srv.started and time.time() < deadline:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", engine
+    srv.should_exit = True
+    thread.join(timeout=10)
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key=KEY, max_retries=0)
+
+
+def idle_and_clean(engine) -> None:
+    """No live request and every block free (or cached), checked on the engine thread."""
+    deadline = time.time() + 10
+    while True:
+        state = asyncio.run(engine.call(lambda e: (e.has_unfinished_requests(), e.kv.num_free_blocks, e.kv.num_blocks)))
+        if not state[0] or time.time() > deadline:
+            break
+        time.sleep(0.05)
+    busy, free, total = state
+    assert not busy and free == total
+
+
+GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True})
+
+
+def test_completion_stream_equals_non_stream(client, server):
+    full = client.completions.create(model="tiny", prompt="the cat sat", max_tokens=12, **GREEDY)
+    assert full.object == "text_completion" and full.choices[0].finish_reason == "length"
+    assert full.usage.completion_tokens == 12 and full.usage.prompt_tokens > 0
+    chunks = list(client.completions.create(model="tiny", prompt="the cat sat", max_tokens=12, stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 12
+    idle_and_clean(server[1])
+
+
+def test_chat_stream_equals_non_stream(client):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+    full = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, **GREEDY)
+    assert full.choices[0].message.role == "assistant"
+    stream = list(client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=10,
+                                                 stream=True, **GREEDY))
+    assert stream[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == full.choices[0].message.content
+    assert stream[-1].choices[0].finish_reason == "length"
+
+
+def test_n_and_seed_are_reproducible(client):
+    kwargs = dict(model="tiny", prompt="abc", max_tokens=8, n=3, temperature=1.0, seed=11,
+                  extra_body={"ignore_eos": True})
+    a = client.completions.create(**kwargs)
+    b = client.completions.create(**kwargs)
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert len({c.text for c in a.choices}) > 1
+
+
+def test_stop_string(client):
+    free = client.completions.create(model="tiny", prompt="hello", max_tokens=30, **GREEDY).choices[0].text
+    stop = free[10:12]
+    cut = client.completions.create(model="tiny", prompt="hello", max_tokens=30, stop=[stop], **GREEDY).choices[0]
+    assert cut.text == free[:free.index(stop)] and cut.finish_reason == "stop"
+
+
+def test_logprobs(client):
+    c = client.completions.create(model="tiny", prompt="xyz", max_tokens=5, logprobs=2, **GREEDY).choices[0]
+    assert len(c.logprobs.tokens) == 5 and len(c.logprobs.token_logprobs) == 5
+    for token, lp, top in zip(c.logprobs.tokens, c.logprobs.token_logprobs, c.logprobs.top_logprobs):
+        assert 1 <= len(top) <= 3 and top[token] == lp  # keyed by token text, so equal texts may merge
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                          logprobs=True, top_logprobs=3, **GREEDY).choices[0]
+    assert len(chat.logprobs.content) == 4
+    for entry in chat.logprobs.content:
+        assert len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob == entry.logprob  # greedy: the chosen token is the top one
+
+
+def test_repeated_prompt_reports_cached_tokens(client):
+    prompt = "a long shared prefix " * 6
+    client.completions.create(model="tiny", prompt=prompt, max_tokens=2, **GREEDY)
+    again = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, **GREEDY)
+    assert again.usage.prompt_tokens_details.cached_tokens >= 16
+
+
+def test_models_health_tokenize(client, server):
+    assert [m.id for m in client.models.list().data] == ["tiny", "tiny-alias"]
+    assert httpx.get(server[0] + "/health").status_code == 200  # open without the key
+    headers = {"Authorization": f"Bearer {KEY}"}
+    ids = httpx.post(server[0] + "/tokenize", json={"prompt": "hello"}, headers=headers).json()["tokens"]
+    assert httpx.post(server[0] + "/detokenize", json={"tokens": ids}, headers=headers).json()["prompt"] == "hello"
+
+
+@pytest.mark.parametrize("body,status,param,message", [
+    ({"model": "gpt-4", "prompt": "x"}, 404, "model", "Served models: tiny, tiny-alias"),
+    ({"prompt": "x", "temperature": -1}, 400, "temperature", "temperature must be >= 0"),
+    ({"prompt": "x", "top_p": 0}, 400, "top_p", "top_p must be in (0, 1]"),
+    ({"prompt": "x", "n": 0}, 400, "n", "n must be"),
+    ({"prompt": "x", "logprobs": 50}, 400, "logprobs", "logprobs must be"),
+    ({"prompt": "x", "max_tokens": "many"}, 400, "max_tokens", "max_tokens"),
+    ({"prompt": ""}, 400, "prompt", "prompt must not be empty"),
+    ({"prompt": "x " * 300, "max_tokens": 10}, 400, "prompt", "exceeds max_model_len 256"),
+    ({"max_tokens": 3}, 400, "prompt", "prompt"),
+])
+def test_completion_errors(server, body, status, param, message):
+    r = httpx.post(server[0] + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and message in err["message"]
+
+
+def test_chat_and_transport_errors(server):
+    url, headers = server[0], {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(url + "/v1/chat/completions", json={"messages": []}, headers=headers)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = httpx.post(url + "/v1/completions", content=b"{not json", headers=headers | {"content-type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+    assert httpx.post(url + "/v1/completions", json={"prompt": "x"}).status_code == 401
+    r = httpx.post(url + "/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    # the server still works and nothing leaked
+    assert httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=headers).status_code == 200
+    idle_and_clean(server[1])
+
+
+def test_concurrent_streams(server):
+    async def main():
+        client = openai.AsyncOpenAI(base_url=server[0] + "/v1", api_key=KEY, max_retries=0)
+        single = await client.completions.create(model="tiny", prompt="the number", max_tokens=16, **GREEDY)
+
+        async def one():
+            text = ""
+            async for chunk in await client.completions.create(model="tiny", prompt="the number", max_tokens=16,
+                                                                stream=True, **GREEDY):
+                text += chunk.choices[0].text if chunk.choices else ""
+            return text
+        texts = await asyncio.gather(*[one() for _ in range(32)])
+        return single.choices[0].text, texts
+    single, texts = asyncio.run(main())
+    assert texts == [single] * 32
+    idle_and_clean(server[1])
+
+
+def test_client_disconnect_aborts_the_request(server):
+    url, headers = server[0], {"Authorization": f"Bearer {KEY}"}
+    aborted_before = asyncio.run(server[1].call(lambda e: e.num_aborted))
+    body = {"prompt": "go on", "max_tokens": 200, "stream": True, "temperature": 0, "ignore_eos": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                json.loads(line[6:])
+                break  # leave after the first chunk
+    idle_and_clean(server[1])
+    assert asyncio.run(server[1].call(lambda e: e.num_aborted)) == aborted_before + 1
