@@ -24,6 +24,10 @@ class EngineDeadError(RuntimeError):
     pass
 
 
+class OverloadedError(RuntimeError):
+    """The waiting queue is full: the caller should retry later (HTTP 503)."""
+
+
 @dataclass
 class _Add:
     request_id: str
@@ -46,8 +50,13 @@ class _Call:
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, on_finished=None, max_waiting_requests: int | None = None):
+        """on_finished(output) is called on the engine thread for every request that ends (metrics).
+        max_waiting_requests bounds the queue of admitted requests not yet running; beyond it, new requests
+        are refused with OverloadedError instead of piling up."""
         self.engine = engine
+        self.on_finished = on_finished
+        self.max_waiting_requests = max_waiting_requests
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = threading.Event()
@@ -133,11 +142,19 @@ class AsyncLLMEngine:
                 continue
             for out in outputs:
                 self._deliver(out.request_id, out, final=out.finished)
+                if out.finished and self.on_finished is not None:
+                    self.on_finished(out)
 
     def _handle(self, cmd) -> None:
         if cmd is None:
             return
         if isinstance(cmd, _Add):
+            waiting = len(self.engine.scheduler.waiting)
+            if self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
+                cmd.done.set_exception(OverloadedError(
+                    f"the server is overloaded: {waiting} requests are already waiting (--max-waiting-requests "
+                    f"{self.max_waiting_requests}); retry later"))
+                return
             try:
                 self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params)
             except Exception as e:

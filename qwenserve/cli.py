@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--served-model-name", nargs="+", default=None,
                      help="model ids clients may ask for (default: the model's id)")
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (not on /health, /metrics)")
+    srv.add_argument("--max-waiting-requests", type=_positive_int, default=1024,
+                     help="requests queued beyond the running batch before new ones get 503 (default: %(default)s)")
 
     gen = sub.add_parser("generate", help="complete one prompt and print the result")
     add_engine_args(gen)
@@ -134,7 +136,7 @@ def cmd_serve(args) -> int:
     from .engine import LLMEngine
     from .server import OpenAIServer
 
-    engine = AsyncLLMEngine(LLMEngine(engine_config_from_args(args)))
+    engine = AsyncLLMEngine(LLMEngine(engine_config_from_args(args)), max_waiting_requests=args.max_waiting_requests)
     names = args.served_model_name or [engine.engine.loaded.model_id]
     app = OpenAIServer(engine, names, args.api_key).build_app()
     logging.getLogger("qwenserve").info("serving %s at http://%s:%d/v1", ", ".join(names), args.host, args.port)

@@ -11,9 +11,11 @@ import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 
-from .async_engine import AsyncLLMEngine
+from .async_engine import AsyncLLMEngine, OverloadedError
+from .metrics import ServerMetrics
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -23,18 +25,23 @@ logger = logging.getLogger(__name__)
 GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
+RETRY_AFTER_S = "1"
+
+
 class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
 
     def response(self) -> JSONResponse:
-        return error_response(self.status, self.message, self.type, self.param, self.code)
+        return error_response(self.status, self.message, self.type, self.param, self.code, self.headers)
 
 
-def error_response(status: int, message: str, type_: str, param: str | None = None, code=None) -> JSONResponse:
-    return JSONResponse(status_code=status,
+def error_response(status: int, message: str, type_: str, param: str | None = None, code=None,
+                   headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(status_code=status, headers=headers,
                         content={"error": {"message": message, "type": type_, "param": param, "code": code}})
 
 
@@ -51,8 +58,12 @@ def _bad_value(e: ValueError, prompt_param: str = "prompt") -> APIError:
 
 
 class OpenAIServer:
-    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str], api_key: str | None = None):
+    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str], api_key: str | None = None,
+                 metrics: ServerMetrics | None = None):
         self.engine = engine
+        self.metrics = metrics or ServerMetrics()
+        if engine.on_finished is None:
+            engine.on_finished = self.metrics.record_finished
         self.names = served_model_names
         self.api_key = api_key
         self.tokenizer = engine.engine.tokenizer
@@ -96,6 +107,11 @@ class OpenAIServer:
             if not self.engine.alive:
                 return error_response(503, "the engine is not running", "server_error")
             return JSONResponse({"status": "ok"})
+
+        @app.get("/metrics")
+        async def metrics():
+            snap = await self.engine.call(ServerMetrics.snapshot)
+            return Response(self.metrics.render(snap), media_type=CONTENT_TYPE_LATEST)
 
         @app.get("/v1/models")
         async def models():
@@ -160,9 +176,11 @@ class OpenAIServer:
             for i, prompt in enumerate(prompts):
                 rid = f"{prefix}-{i}"
                 admitted.append((rid, await self.engine.add_request(rid, prompt, params)))
-        except ValueError as e:
+        except (ValueError, OverloadedError) as e:
             for rid, _ in admitted:
                 self.engine.abort(rid)
+            if isinstance(e, OverloadedError):
+                raise APIError(503, str(e), "server_overloaded", headers={"Retry-After": RETRY_AFTER_S}) from e
             raise _bad_value(e, prompt_param) from e
         return admitted
 

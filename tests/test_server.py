@@ -188,3 +188,51 @@ def test_client_disconnect_aborts_the_request(server):
                 break  # leave after the first chunk
     idle_and_clean(server[1])
     assert asyncio.run(server[1].call(lambda e: e.num_aborted)) == aborted_before + 1
+
+
+def _metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def test_metrics_are_open_and_count_requests(client, server):
+    before = httpx.get(server[0] + "/metrics").text  # open without the API key
+    client.completions.create(model="tiny", prompt="count me", max_tokens=5, **GREEDY)
+    after = httpx.get(server[0] + "/metrics").text
+    assert _metric(after, "qwenserve_generation_tokens_total") - _metric(before, "qwenserve_generation_tokens_total") == 5
+    assert _metric(after, "qwenserve_time_to_first_token_seconds_count") > _metric(
+        before, "qwenserve_time_to_first_token_seconds_count")
+    assert _metric(after, "qwenserve_num_requests_running") == 0
+    assert _metric(after, "qwenserve_kv_cache_usage_perc") == 0  # nothing live: every block free or cached
+    for name in ("qwenserve_num_requests_waiting", "qwenserve_prefix_cache_hit_rate",
+                 "qwenserve_num_aborted_requests_total", "qwenserve_prompt_tokens_total",
+                 "qwenserve_time_per_output_token_seconds_count", "qwenserve_e2e_request_latency_seconds_count"):
+        _metric(after, name)
+
+
+def test_overload_gets_503_with_retry_after(tmp_path):
+    """A bounded waiting queue: while the engine thread is busy, three requests arrive for two waiting slots."""
+    path = save_hf_dir(tiny_hf_model(seed=52), str(tmp_path / "m"))
+    engine = AsyncLLMEngine(LLMEngine(EngineConfig(model=path, dtype="float32", kv_cache_memory="4MiB")),
+                            max_waiting_requests=2)
+    app = OpenAIServer(engine, ["tiny"]).build_app()
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as c:
+            busy = asyncio.ensure_future(engine.call(lambda e: time.sleep(1.0)))  # the engine is mid-step
+            await asyncio.sleep(0.1)
+            body = {"prompt": "x", "max_tokens": 4, "ignore_eos": True, "temperature": 0}
+            responses = await asyncio.gather(*[c.post("/v1/completions", json=body) for _ in range(3)])
+            await busy
+            return responses
+    try:
+        responses = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    codes = sorted(r.status_code for r in responses)
+    assert codes == [200, 200, 503]
+    refused = next(r for r in responses if r.status_code == 503)
+    assert refused.headers["retry-after"] == "1" and refused.json()["error"]["type"] == "server_overloaded"
