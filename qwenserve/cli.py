@@ -1,4 +1,4 @@
-"""The `qwenserve` command: serve, generate, compare, convert, bench."""
+"""The `qwenserve` command: serve, chat, generate, compare, convert, bench."""
 from __future__ import annotations
 
 import argparse
@@ -58,6 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-waiting-requests", type=_positive_int, default=1024,
                      help="requests queued beyond the running batch before new ones get 503 (default: %(default)s)")
 
+    chat = sub.add_parser("chat", help="interactive chat in the terminal, replies streamed")
+    add_engine_args(chat)
+    chat.add_argument("--system", default=None, help="system message")
+    chat.add_argument("--max-tokens", type=_positive_int, default=512)
+    chat.add_argument("--temperature", type=float, default=0.7)
+    chat.add_argument("--seed", type=int, default=None)
+
     gen = sub.add_parser("generate", help="complete one prompt and print the result")
     add_engine_args(gen)
     gen.add_argument("--prompt", required=True)
@@ -110,6 +117,17 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--prefix-len", type=_positive_int, default=1024)
     pre.add_argument("--num-prompts", type=_positive_int, default=5)
     pre.add_argument("--json", action="store_true")
+
+    bsrv = bench_sub.add_parser("serve", help="drive a running OpenAI-compatible server with streaming requests")
+    bsrv.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (without /v1)")
+    bsrv.add_argument("--num-prompts", type=_positive_int, default=64)
+    bsrv.add_argument("--input-len", type=_positive_int, default=128)
+    bsrv.add_argument("--output-len", type=_positive_int, default=64)
+    bsrv.add_argument("--max-concurrency", type=_positive_int, default=None)
+    bsrv.add_argument("--request-rate", type=float, default=None, help="requests per second (Poisson arrivals)")
+    bsrv.add_argument("--api-key", default=None)
+    bsrv.add_argument("--served-model", default=None, help="model id to ask for (default: the server's first)")
+    bsrv.add_argument("--json", action="store_true")
     return parser
 
 
@@ -123,8 +141,17 @@ def cmd_bench(args) -> int:
                                         args.output_len, args.varied, args.baseline, args.hf_batch_size)
     elif args.bench_command == "latency":
         result = bench.bench_latency(engine_config_from_args(args), args.input_len, args.output_len, args.baseline)
-    else:
+    elif args.bench_command == "prefix":
         result = bench.bench_prefix(engine_config_from_args(args), args.prefix_len, args.num_prompts)
+    elif args.bench_command == "serve":
+        import asyncio
+
+        from .bench_serve import run_bench_serve
+        if (args.request_rate is None) == (args.max_concurrency is None):
+            raise ValueError("bench serve needs exactly one of --request-rate and --max-concurrency")
+        result = asyncio.run(run_bench_serve(args.url, args.num_prompts, args.input_len, args.output_len,
+                                             args.max_concurrency, args.request_rate, args.api_key,
+                                             args.served_model))
     bench.print_result(f"bench {args.bench_command}", result, args.json)
     return 0
 
@@ -144,6 +171,15 @@ def cmd_serve(args) -> int:
         uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     finally:
         engine.shutdown()
+    return 0
+
+
+def cmd_chat(args) -> int:
+    from .chat_cli import run_chat
+    from .sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    run_chat(engine_config_from_args(args), params, args.system)
     return 0
 
 
@@ -183,7 +219,7 @@ def cmd_convert(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    handler = {"serve": cmd_serve, "generate": cmd_generate, "compare": cmd_compare, "convert": cmd_convert,
+    handler = {"serve": cmd_serve, "chat": cmd_chat, "generate": cmd_generate, "compare": cmd_compare, "convert": cmd_convert,
                "bench": cmd_bench}[args.command]
     try:
         return handler(args)

@@ -118,3 +118,21 @@ def test_compare_finds_first_divergence():
     assert not r.equal and r.first_divergence == 2 and r.steps_compared == 3 and r.max_logit_diff == 0.5
     r = compare_one("p", [1, 2], [a, a], [1, 2, 3], [b, b, b])
     assert not r.equal and r.first_divergence == 2
+
+
+def test_chat_streams_replies_and_keeps_the_conversation(tmp_path):
+    import io
+
+    from qwenserve.chat_cli import run_chat
+    from qwenserve.engine_config import EngineConfig
+    src = save_hf_dir(tiny_hf_model(seed=27), str(tmp_path / "src"))
+    turns = iter(["hello", "", "and again", "/exit"])
+    out = io.StringIO()
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    conv = run_chat(EngineConfig(model=src, dtype="float32", kv_cache_memory="4MiB"), params, "be brief",
+                    read=lambda prompt: next(turns), out=out)
+    assert [m["role"] for m in conv] == ["system", "user", "assistant", "user", "assistant"]
+    # the first reply equals a one-off greedy chat completion of the same conversation
+    llm = LLM(src, dtype="float32", kv_cache_memory="4MiB")
+    expected = llm.chat(conv[:2], params, use_tqdm=False)[0].outputs[0].text
+    assert conv[2]["content"] == expected and expected in out.getvalue()

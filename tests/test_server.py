@@ -236,3 +236,16 @@ def test_overload_gets_503_with_retry_after(tmp_path):
     assert codes == [200, 200, 503]
     refused = next(r for r in responses if r.status_code == 503)
     assert refused.headers["retry-after"] == "1" and refused.json()["error"]["type"] == "server_overloaded"
+
+
+def test_bench_serve_against_the_live_server(server):
+    from qwenserve.bench_serve import run_bench_serve
+    result = asyncio.run(run_bench_serve(server[0], num_prompts=8, input_len=12, output_len=6, max_concurrency=4,
+                                         request_rate=None, api_key=KEY, model=None))
+    assert result["model"] == "tiny" and result["completed"] == 8 and result["failed"] == 0
+    assert result["output_throughput"] > 0
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        assert set(result[key]) == {"mean", "p50", "p90", "p99"} and result[key]["p50"] > 0
+    bad = asyncio.run(run_bench_serve(server[0], 2, 4, 4, 2, None, "wrong-key", "tiny"))
+    assert bad["failed"] == 2 and "401" in bad["errors"][0]
+    idle_and_clean(server[1])
