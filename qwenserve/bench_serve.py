@@ -68,10 +68,12 @@ async def _one(client: httpx.AsyncClient, url: str, headers: dict, model: str, p
 
 async def run_bench_serve(base_url: str, num_prompts: int, input_len: int, output_len: int,
                           max_concurrency: int | None, request_rate: float | None, api_key: str | None,
-                          model: str | None, seed: int = 0) -> dict:
+                          model: str | None, seed: int = 0, max_token_id: int = 50000) -> dict:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     rng = random.Random(seed)
-    prompts = [[rng.randrange(100, 50000) for _ in range(input_len)] for _ in range(num_prompts)]
+    # ordinary token ids of any large vocabulary (max_token_id bounds them for small ones)
+    prompts = [[rng.randrange(min(100, max_token_id - 1), max_token_id) for _ in range(input_len)]
+               for _ in range(num_prompts)]
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=1024)) as client:
         if model is None:
             r = await client.get(base_url.rstrip("/") + "/v1/models", headers=headers)

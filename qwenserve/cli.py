@@ -127,6 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     bsrv.add_argument("--request-rate", type=float, default=None, help="requests per second (Poisson arrivals)")
     bsrv.add_argument("--api-key", default=None)
     bsrv.add_argument("--served-model", default=None, help="model id to ask for (default: the server's first)")
+    bsrv.add_argument("--max-token-id", type=_positive_int, default=50000,
+                      help="prompts are random token ids below this (default: %(default)s)")
     bsrv.add_argument("--json", action="store_true")
     return parser
 
@@ -151,7 +153,7 @@ def cmd_bench(args) -> int:
             raise ValueError("bench serve needs exactly one of --request-rate and --max-concurrency")
         result = asyncio.run(run_bench_serve(args.url, args.num_prompts, args.input_len, args.output_len,
                                              args.max_concurrency, args.request_rate, args.api_key,
-                                             args.served_model))
+                                             args.served_model, max_token_id=args.max_token_id))
     bench.print_result(f"bench {args.bench_command}", result, args.json)
     return 0
 

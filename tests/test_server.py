@@ -241,11 +241,11 @@ def test_overload_gets_503_with_retry_after(tmp_path):
 def test_bench_serve_against_the_live_server(server):
     from qwenserve.bench_serve import run_bench_serve
     result = asyncio.run(run_bench_serve(server[0], num_prompts=8, input_len=12, output_len=6, max_concurrency=4,
-                                         request_rate=None, api_key=KEY, model=None))
+                                         request_rate=None, api_key=KEY, model=None, max_token_id=300))
     assert result["model"] == "tiny" and result["completed"] == 8 and result["failed"] == 0
     assert result["output_throughput"] > 0
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         assert set(result[key]) == {"mean", "p50", "p90", "p99"} and result[key]["p50"] > 0
-    bad = asyncio.run(run_bench_serve(server[0], 2, 4, 4, 2, None, "wrong-key", "tiny"))
+    bad = asyncio.run(run_bench_serve(server[0], 2, 4, 4, 2, None, "wrong-key", "tiny", max_token_id=300))
     assert bad["failed"] == 2 and "401" in bad["errors"][0]
     idle_and_clean(server[1])
