@@ -354,13 +354,14 @@ class OpenAIServer:
             return _sse(data)
 
         async def events():
+            outputs = self.engine.stream(*admitted)
             try:
                 for i in range(params.n):
                     yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                   "finish_reason": None}])
                 final = None
                 sent_logprobs = [0] * params.n
-                async for out in self.engine.stream(*admitted):
+                async for out in outputs:
                     final = out
                     for comp in out.outputs:
                         logprobs = None
@@ -378,6 +379,8 @@ class OpenAIServer:
                 yield "data: [DONE]\n\n"
             except Exception as e:  # noqa: BLE001 - an engine failure mid-stream: the status is already sent
                 yield _sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
+            finally:
+                await outputs.aclose()  # client gone: abort the request now, not when the generator is collected
 
         return StreamingResponse(events(), media_type="text/event-stream")
 

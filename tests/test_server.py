@@ -177,11 +177,15 @@ def test_concurrent_streams(server):
     idle_and_clean(server[1])
 
 
-def test_client_disconnect_aborts_the_request(server):
+@pytest.mark.parametrize("endpoint,body", [
+    ("/v1/completions", {"prompt": "go on"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "go on"}]}),
+])
+def test_client_disconnect_aborts_the_request(server, endpoint, body):
     url, headers = server[0], {"Authorization": f"Bearer {KEY}"}
     aborted_before = asyncio.run(server[1].call(lambda e: e.num_aborted))
-    body = {"prompt": "go on", "max_tokens": 200, "stream": True, "temperature": 0, "ignore_eos": True}
-    with httpx.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
+    body = body | {"max_tokens": 200, "stream": True, "temperature": 0, "ignore_eos": True}
+    with httpx.stream("POST", url + endpoint, json=body, headers=headers) as r:
         for line in r.iter_lines():
             if line.startswith("data: "):
                 json.loads(line[6:])
