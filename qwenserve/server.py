@@ -57,7 +57,28 @@ def _bad_value(e: ValueError, prompt_param: str = "prompt") -> APIError:
     return APIError(400, message, param=param)
 
 
+class APIKeyMiddleware:
+    """Plain ASGI middleware (Starlette's BaseHTTPMiddleware would hide client disconnects from the routes).
+    The comparison is constant-time."""
+
+    def __init__(self, app, api_key: str, open_paths: set[str]):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+        self.open_paths = open_paths
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] not in self.open_paths:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = error_response(401, "missing or invalid API key (send Authorization: Bearer <key>)",
+                                          "authentication_error", code="invalid_api_key")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 class OpenAIServer:
+    DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
     def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str], api_key: str | None = None,
                  metrics: ServerMetrics | None = None):
         self.engine = engine
@@ -79,17 +100,8 @@ class OpenAIServer:
 
     def build_app(self) -> FastAPI:
         app = FastAPI(title="qwenserve")
-        open_paths = {"/health", "/metrics"}
-
-        @app.middleware("http")
-        async def check_api_key(request: Request, call_next):
-            if self.api_key and request.url.path not in open_paths:
-                given = request.headers.get("authorization", "")
-                expected = f"Bearer {self.api_key}"
-                if not hmac.compare_digest(given.encode(), expected.encode()):
-                    return error_response(401, "missing or invalid API key (send Authorization: Bearer <key>)",
-                                          "authentication_error", code="invalid_api_key")
-            return await call_next(request)
+        if self.api_key:
+            app.add_middleware(APIKeyMiddleware, api_key=self.api_key, open_paths={"/health", "/metrics"})
 
         @app.exception_handler(APIError)
         async def api_error(_, e: APIError):
@@ -196,7 +208,7 @@ class OpenAIServer:
         gathered = asyncio.ensure_future(asyncio.gather(*tasks))
         try:
             while not gathered.done():
-                await asyncio.wait({gathered}, timeout=0.5)
+                await asyncio.wait({gathered}, timeout=self.DISCONNECT_POLL_S)
                 if not gathered.done() and await request.is_disconnected():
                     gathered.cancel()
                     raise asyncio.CancelledError

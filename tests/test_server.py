@@ -253,3 +253,19 @@ def test_bench_serve_against_the_live_server(server):
     bad = asyncio.run(run_bench_serve(server[0], 2, 4, 4, 2, None, "wrong-key", "tiny", max_token_id=300))
     assert bad["failed"] == 2 and "401" in bad["errors"][0]
     idle_and_clean(server[1])
+
+
+def test_non_streaming_client_that_gives_up_is_aborted(server, monkeypatch):
+    monkeypatch.setattr(OpenAIServer, "DISCONNECT_POLL_S", 0.02)
+    engine = server[1]
+    aborted_before = asyncio.run(engine.call(lambda e: e.num_aborted))
+    body = {"prompt": "go on", "max_tokens": 240, "temperature": 0, "ignore_eos": True}
+    # keep the engine thread busy so the request is still running well after the client gave up
+    busy = threading.Thread(target=lambda: asyncio.run(engine.call(lambda e: time.sleep(1.0))))
+    busy.start()
+    time.sleep(0.1)
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server[0] + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=0.3)
+    busy.join()
+    idle_and_clean(engine)
+    assert asyncio.run(engine.call(lambda e: e.num_aborted)) == aborted_before + 1
