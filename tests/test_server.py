@@ -192,6 +192,8 @@ def test_client_disconnect_aborts_the_request(server, endpoint, body):
                 break  # leave after the first chunk
     idle_and_clean(server[1])
     assert asyncio.run(server[1].call(lambda e: e.num_aborted)) == aborted_before + 1
+    metrics = httpx.get(url + "/metrics").text  # and visible to monitoring
+    assert _metric(metrics, "qwenserve_num_aborted_requests_total") == aborted_before + 1
 
 
 def _metric(text: str, name: str) -> float:
@@ -269,3 +271,31 @@ def test_non_streaming_client_that_gives_up_is_aborted(server, monkeypatch):
     busy.join()
     idle_and_clean(engine)
     assert asyncio.run(engine.call(lambda e: e.num_aborted)) == aborted_before + 1
+
+
+def test_generation_config_defaults_apply_when_a_request_is_silent(tmp_path, caplog):
+    """generation_config.json's top_k=1 makes unspecified sampling greedy; an explicit top_k overrides it."""
+    import logging
+    path = save_hf_dir(tiny_hf_model(seed=53), str(tmp_path / "m"))
+    gen_path = tmp_path / "m" / "generation_config.json"
+    gen_path.write_text(json.dumps(json.loads(gen_path.read_text()) | {"top_k": 1, "temperature": 0.9}))
+    engine = AsyncLLMEngine(LLMEngine(EngineConfig(model=path, dtype="float32", kv_cache_memory="4MiB")))
+    with caplog.at_level(logging.INFO, logger="qwenserve.server"):
+        app = OpenAIServer(engine, ["tiny"]).build_app()
+    assert "'top_k': 1" in caplog.text and "'temperature': 0.9" in caplog.text
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            base = {"prompt": "abc", "max_tokens": 12, "ignore_eos": True}
+            silent = [(await c.post("/v1/completions", json=base | {"seed": s})).json()["choices"][0]["text"]
+                      for s in (1, 2)]
+            greedy = (await c.post("/v1/completions", json=base | {"temperature": 0})).json()["choices"][0]["text"]
+            free = [(await c.post("/v1/completions", json=base | {"seed": s, "top_k": 0, "temperature": 1.5})
+                     ).json()["choices"][0]["text"] for s in (1, 2)]
+            return silent, greedy, free
+    try:
+        silent, greedy, free = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert silent == [greedy, greedy]
+    assert free[0] != free[1]
