@@ -56,7 +56,10 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
 
     def sampling_params(self, defaults: dict) -> SamplingParams:
-        return self._sampling(self.max_tokens, self.logprobs, defaults)
+        params = self._sampling(self.max_tokens, self.logprobs, defaults)
+        if self.echo and self.logprobs is not None:  # echo returns the prompt's logprobs too
+            params.prompt_logprobs = self.logprobs
+        return params
 
 
 class ChatMessage(BaseModel):

@@ -239,19 +239,25 @@ class OpenAIServer:
             raise APIError(400, "prompt must not be empty", param="prompt")
         return [{"prompt_token_ids": p} if isinstance(p, list) else p for p in prompts]
 
-    def _completion_logprobs(self, comp, offset: int) -> dict | None:
+    def _completion_logprobs(self, comp, out: RequestOutput, echo: bool) -> dict | None:
+        """OpenAI's completions logprobs; with echo the prompt's tokens come first (the first has none)."""
         if comp.logprobs is None:
             return None
-        tokens, token_lps, tops, offsets = [], [], [], []
-        for token_id, entry in zip(comp.token_ids, comp.logprobs):
+        pairs = list(zip(comp.token_ids, comp.logprobs))
+        if echo:
+            pairs = list(zip(out.prompt_token_ids, out.prompt_logprobs or [None] * len(out.prompt_token_ids))) + pairs
+        tokens, token_lps, tops, offsets, offset = [], [], [], [], 0
+        for token_id, entry in pairs:
             text = self._token_text(token_id)
             offsets.append(offset)
             offset += len(text)
             tokens.append(text)
-            token_lps.append(entry[token_id].logprob)
-            top: dict[str, float] = {}
-            for lp in sorted(entry.values(), key=lambda lp: lp.rank):  # keyed by text: the likelier token wins
-                top.setdefault(self._token_text(lp.token_id), lp.logprob)
+            token_lps.append(entry[token_id].logprob if entry else None)
+            top: dict[str, float] | None = None
+            if entry:
+                top = {}
+                for lp in sorted(entry.values(), key=lambda lp: lp.rank):  # keyed by text: the likelier token wins
+                    top.setdefault(self._token_text(lp.token_id), lp.logprob)
             tops.append(top)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
@@ -270,7 +276,7 @@ class OpenAIServer:
             echo = (out.prompt or self.tokenizer.decode(out.prompt_token_ids)) if body.echo else ""
             for comp in out.outputs:
                 choices.append({"index": i * params.n + comp.index, "text": echo + comp.text,
-                                "logprobs": self._completion_logprobs(comp, len(echo)),
+                                "logprobs": self._completion_logprobs(comp, out, body.echo),
                                 "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason})
         return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
                 "usage": self._usage(outs)}

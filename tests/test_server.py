@@ -104,6 +104,13 @@ def test_logprobs(client):
     assert len(c.logprobs.tokens) == 5 and len(c.logprobs.token_logprobs) == 5
     for token, lp, top in zip(c.logprobs.tokens, c.logprobs.token_logprobs, c.logprobs.top_logprobs):
         assert 1 <= len(top) <= 3 and top[token] == lp  # keyed by token text, so equal texts may merge
+    echoed = client.completions.create(model="tiny", prompt="hello world", max_tokens=3, logprobs=1, echo=True,
+                                       **GREEDY).choices[0]
+    n_prompt = len(echoed.logprobs.tokens) - 3
+    assert echoed.text.startswith("hello world") and n_prompt > 1
+    assert echoed.logprobs.token_logprobs[0] is None and all(
+        lp is not None for lp in echoed.logprobs.token_logprobs[1:])
+    assert "".join(echoed.logprobs.tokens) == echoed.text
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=4,
                                           logprobs=True, top_logprobs=3, **GREEDY).choices[0]
     assert len(chat.logprobs.content) == 4
