@@ -56,7 +56,7 @@ def hf_model_like(loaded) -> torch.nn.Module:
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.tie_weights()
-    model.model.rotary_emb.__init__(cfg)  # buffers were on meta
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=cfg)  # its buffers are not in the state dict
     return model.to(loaded.dtype).eval()
 
 
