@@ -86,11 +86,11 @@ class ModelRunner:
         together: each group pads (gathers and masks) only to its own longest context."""
         if not rows:
             return []
-        order = np.argsort(lens, kind="stable")
-        groups = [order]
         lens_arr = np.asarray(lens)
         if len(rows) >= 2 * MAX_DECODE_GROUPS and lens_arr.max() > 2 * lens_arr.min():
-            groups = np.array_split(order, MAX_DECODE_GROUPS)
+            groups = np.array_split(np.argsort(lens_arr, kind="stable"), MAX_DECODE_GROUPS)
+        else:
+            groups = [np.arange(len(rows))]
         bs = self.block_size
         out = []
         for members in groups:
@@ -102,12 +102,8 @@ class ModelRunner:
             mask = None
             if (member_lens != longest).any():
                 mask = self._tensor(np.arange(longest)[None, :] < member_lens[:, None], torch.bool)[:, None, None, :]
-            all_rows = len(groups) == 1 and len(rows) == num_rows
-            index = None if all_rows else self._tensor(np.asarray(rows)[members])
-            if all_rows:  # the batch is decode tokens only, in row order: no scatter needed
-                block_tables = block_tables[np.argsort(members, kind="stable")]
-                if mask is not None:
-                    mask = mask[self._tensor(np.argsort(members, kind="stable"))]
+            # one group holding the whole batch, in row order: its output needs no scatter
+            index = None if len(groups) == 1 and len(rows) == num_rows else self._tensor(np.asarray(rows)[members])
             out.append(DecodeGroup(index, self._tensor(block_tables), longest, mask))
         return out
 
