@@ -7,7 +7,6 @@ import logging
 import os
 import shutil
 
-import torch
 from safetensors.torch import save_file
 
 from .checkpoint import open_checkpoint

@@ -1,7 +1,6 @@
 import os
 import sys
 
-import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))

@@ -41,4 +41,4 @@ def test_bench_commands_print_one_json_line(tmp_path, capsys):
         assert main(argv + common) == 0
         result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert keys <= set(result), name
-    assert result["ttft_warm_ms"] > 0
+    assert result["ttft_warm_ms"] > 0 and result["warm_cached_tokens"] == 64  # the whole 64-token prefix

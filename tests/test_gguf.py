@@ -4,7 +4,7 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
-from helpers import save_gguf, save_hf_dir, tiny_hf_model
+from helpers import save_gguf, tiny_hf_model
 from qwenserve.checkpoint import GGUFCheckpoint, gguf_to_hf_name
 from qwenserve.dequant import dequantize
 from qwenserve.gguf_file import GGUFFile
