@@ -4,6 +4,7 @@ A checkpoint gives the model config, the weights as (HF parameter name, tensor) 
 the generation defaults; everything downstream is the same whichever kind it is."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -150,7 +151,7 @@ class GGUFCheckpoint(Checkpoint):
         self.file = GGUFFile(path)
         config = config_from_gguf(self.file.metadata)
         if "output.weight" not in self.file.tensors:  # no separate LM head: it is the embedding
-            config = ModelConfig(**{**config.__dict__, "tie_word_embeddings": True})
+            config = dataclasses.replace(config, tie_word_embeddings=True)
         generation = {"eos_token_id": config.eos_token_id} if config.eos_token_id is not None else {}
         super().__init__(path, model_id or os.path.basename(path), config,
                          "llama.cpp GGUF names (blk.N.attn_q.weight, ...)", generation)

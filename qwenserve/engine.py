@@ -168,8 +168,7 @@ class LLMEngine:
             req = touched[seq.request_id] = self.requests[seq.request_id]
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
-        for seq_id, (logits, first_pos) in out.prompt_logits.items():
-            seq = next(s for s in batch.seqs if s.seq_id == seq_id)
+        for seq, logits, first_pos in out.prompt_logits:
             self._record_prompt_logprobs(seq, logits, first_pos)
         for i, seq in enumerate(out.sampling_seqs):
             if seq.fork_children:

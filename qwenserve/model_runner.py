@@ -21,8 +21,8 @@ MAX_DECODE_GROUPS = 4
 class ModelOutput:
     sampling_seqs: list[Sequence]  # sequences that reached their last known token: they take a new one
     logits: torch.Tensor  # [len(sampling_seqs), vocab], model dtype
-    # seq -> (logits [n, vocab] of its prompt chunk's positions, position of the chunk's first token)
-    prompt_logits: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)
+    # (sequence, logits [n, vocab] of its prompt chunk's positions, position of the chunk's first token)
+    prompt_logits: list[tuple[Sequence, torch.Tensor, int]] = field(default_factory=list)
 
 
 @torch.inference_mode()
@@ -114,6 +114,6 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[self._tensor(sample_rows)])
         out = ModelOutput(sampling_seqs, logits.cpu())
         for seq, row, count, first_pos in prompt_rows:
-            out.prompt_logits[seq.seq_id] = (self.model.compute_logits(hidden[row:row + count]).float().cpu(),
-                                            first_pos)
+            out.prompt_logits.append((seq, self.model.compute_logits(hidden[row:row + count]).float().cpu(),
+                                      first_pos))
         return out
