@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .kernels import use_cpu_kernels
 from .models.qwen2 import Qwen2ForCausalLM
 from .paged_attention import DecodeGroup, PagedBatch, PagedKVCache, PrefillSpan
 from .scheduler import ScheduledBatch
@@ -46,6 +47,8 @@ class ModelRunner:
         self.cache = cache
         self.block_size = cache.block_size
         self.device = torch.device(device)
+        # the CPU kernel reads every decode sequence in place at its own length: no grouping or masks needed
+        self.decode_kernel = use_cpu_kernels(cache.k[0]) is not None
 
     def _tensor(self, data, dtype=torch.long) -> torch.Tensor:
         return torch.as_tensor(data, dtype=dtype).to(self.device, non_blocking=True)
@@ -87,6 +90,8 @@ class ModelRunner:
         if not rows:
             return []
         lens_arr = np.asarray(lens)
+        if self.decode_kernel:
+            return [self._kernel_decode_group(rows, tables, lens_arr, num_rows)]
         if len(rows) >= 2 * MAX_DECODE_GROUPS and lens_arr.max() > 2 * lens_arr.min():
             groups = np.array_split(np.argsort(lens_arr, kind="stable"), MAX_DECODE_GROUPS)
         else:
@@ -106,6 +111,13 @@ class ModelRunner:
             index = None if len(groups) == 1 and len(rows) == num_rows else self._tensor(np.asarray(rows)[members])
             out.append(DecodeGroup(index, self._tensor(block_tables), longest, mask))
         return out
+
+    def _kernel_decode_group(self, rows: list[int], tables: list[np.ndarray], lens: np.ndarray, num_rows: int):
+        block_tables = np.zeros((len(rows), max(len(t) for t in tables)), dtype=np.int64)
+        for i, table in enumerate(tables):
+            block_tables[i, :len(table)] = table
+        index = None if len(rows) == num_rows else self._tensor(rows)
+        return DecodeGroup(index, self._tensor(block_tables), int(lens.max()), None, self._tensor(lens))
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> ModelOutput:

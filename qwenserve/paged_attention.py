@@ -3,8 +3,8 @@
 The cache of each layer is two tensors of [num_blocks, block_size, kv_heads, head_dim]. Each step the runner
 describes its batch once (`PagedBatch`); every attention layer then writes the batch's new K/V into the
 slots assigned to them and reads each sequence's keys through its block table:
-- decode tokens (one new token per sequence) run as a few batched attentions, grouped by context length,
-  keys gathered per sequence;
+- decode tokens (one new token per sequence): with the CPU kernel, one pass that reads each sequence's keys
+  in place in its blocks; otherwise a few batched SDPAs, grouped by context length, keys gathered per sequence;
 - prompt chunks run one sequence each, causally, against their cached context if they have one.
 All new K/V are written before any are read, so sequences sharing prefix blocks in one step see them.
 """
@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from .kernels import use_cpu_kernels
 
 
 class PagedKVCache:
@@ -36,6 +38,7 @@ class DecodeGroup:
     block_tables: torch.Tensor  # [B, max_blocks], padded with block 0
     context_len: int  # keys to read (the longest context)
     mask: torch.Tensor | None  # [B, 1, 1, context_len], True = visible; None when all contexts are equal
+    context_lens: torch.Tensor | None = None  # [B] int64: set when the CPU kernel runs this group
 
 
 @dataclass
@@ -82,6 +85,10 @@ class PagedBatch:
         return g.transpose(-3, -2)
 
     def _decode(self, q, k_cache, v_cache, d: DecodeGroup, scale):
+        if d.context_lens is not None:
+            out = q.new_empty(q.shape)
+            use_cpu_kernels(q).paged_decode_attention(out, q, k_cache, v_cache, d.block_tables, d.context_lens, scale)
+            return out
         keys = self._gather(k_cache, d.block_tables, d.context_len)  # [B, kv_heads, S, d]
         values = self._gather(v_cache, d.block_tables, d.context_len)
         out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=d.mask, scale=scale,

@@ -3,11 +3,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..kernels import use_cpu_kernels
+
 
 class RMSNorm(nn.Module):
     """RMSNorm, optionally fused with the residual add that precedes it (vLLM's convention).
 
-    forward(x) -> norm(x); forward(x, residual) -> (norm(x + residual), x + residual)."""
+    forward(x) -> norm(x); forward(x, residual) -> (norm(x + residual), x + residual). With the CPU kernels
+    the second form works in place: x and residual are overwritten with the two results, so callers pass
+    tensors they no longer need."""
 
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
@@ -21,6 +25,15 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        ops = use_cpu_kernels(x)
+        if ops is not None and x.is_contiguous() and x.dtype == self.weight.dtype:
+            if residual is None:
+                out = torch.empty_like(x)
+                ops.rms_norm(out, x, self.weight, self.eps)
+                return out
+            if residual.is_contiguous():
+                ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+                return x, residual
         if residual is None:
             return self._norm(x)
         x = x + residual

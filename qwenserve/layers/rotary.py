@@ -7,6 +7,8 @@ import math
 import torch
 from torch import nn
 
+from ..kernels import use_cpu_kernels
+
 
 def _inv_freq(dim: int, base: float) -> torch.Tensor:
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
@@ -79,14 +81,32 @@ class RotaryEmbedding(nn.Module):
             self.head_dim / (self.head_dim - 2))
         return _inv_freq(self.head_dim, base)
 
+    def _table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos/sin table, index of each position in it)."""
+        if self.dynamic and int(positions.max()) + 1 > self.original_max_position:
+            table = self._cos_sin(positions, self._dynamic_inv_freq(int(positions.max()) + 1))
+            return table.to(self.cos_sin.dtype), torch.arange(len(positions), device=positions.device)
+        return self.cos_sin, positions
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, heads, head_dim], k: [T, kv_heads, head_dim], positions: [T]."""
-        if self.dynamic and int(positions.max()) + 1 > self.original_max_position:
-            cos_sin = self._cos_sin(positions, self._dynamic_inv_freq(int(positions.max()) + 1))
-        else:
-            cos_sin = self.cos_sin[positions]
-        cos, sin = cos_sin.to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
+        table, index = self._table(positions)
+        cos, sin = table[index].to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def rotate_qkv(self, positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, num_kv_heads: int):
+        """The fused projection's output [T, (heads + 2 kv_heads) * head_dim] -> rotated q [T, heads, d],
+        rotated k and v [T, kv_heads, d]. The CPU kernel rotates in place inside qkv."""
+        t, d = qkv.shape[0], self.head_dim
+        ops = use_cpu_kernels(qkv)
+        if ops is not None and qkv.is_contiguous() and qkv.dtype == self.cos_sin.dtype:
+            table, index = self._table(positions)
+            ops.rotary_embedding(qkv, index, table, num_heads + num_kv_heads, d)
+            q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
+            return q.view(t, num_heads, d), k.view(t, num_kv_heads, d), v.view(t, num_kv_heads, d)
+        q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
+        q, k = self.forward(positions, q.view(t, num_heads, d), k.view(t, num_kv_heads, d))
+        return q, k, v.view(t, num_kv_heads, d)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

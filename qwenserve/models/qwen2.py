@@ -25,7 +25,6 @@ class Qwen2Attention(nn.Module):
         self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
                                           config.num_key_value_heads, bias=True, tp=tp)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
         self.head_dim = head_dim
         self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, bias=False, tp=tp)
         self.rotary_emb = RotaryEmbedding(head_dim, max_position, config.rope_theta,
@@ -33,12 +32,7 @@ class Qwen2Attention(nn.Module):
         self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, head_dim, scale=head_dim ** -0.5)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache) -> torch.Tensor:
-        t = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k, v = self.rotary_emb.rotate_qkv(positions, self.qkv_proj(hidden), self.num_heads, self.num_kv_heads)
         return self.o_proj(self.attn(q, k, v, kv_cache))
 
 

@@ -1,0 +1,67 @@
+"""Our compiled CPU kernels (cpu_ops.cpp), built on first use and cached by torch's extension builder.
+
+`cpu_ops()` returns torch.ops.qwenserve once the library is loaded, or None when it cannot be: no C++
+compiler, a build error, or QWENSERVE_CPU_KERNELS=0. Callers then take the PyTorch path, which computes the
+same thing with more, smaller ops. The build takes ~30 s once per source version; later runs load the cached
+library (TORCH_EXTENSIONS_DIR moves the cache).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _build():
+    from torch.utils.cpp_extension import load
+
+    flags = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"]
+    load(name="qwenserve_cpu_ops", sources=[str(_SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+         is_python_module=False, verbose=False)
+    return torch.ops.qwenserve
+
+
+def cpu_ops():
+    """torch.ops.qwenserve, building the library the first time; None where it is unavailable."""
+    if "ops" in _state:
+        return _state["ops"]
+    with _lock:
+        if "ops" not in _state:
+            ops = None
+            if os.environ.get("QWENSERVE_CPU_KERNELS", "1") == "0":
+                logger.info("CPU kernels switched off (QWENSERVE_CPU_KERNELS=0): PyTorch ops only")
+            else:
+                try:
+                    ops = _build()
+                except Exception as e:  # no compiler, build failure: the PyTorch path still works
+                    logger.warning("qwenserve CPU kernels unavailable, using PyTorch ops (slower): %s", e)
+            _state["ops"] = ops
+    return _state["ops"]
+
+
+def use_cpu_kernels(t: torch.Tensor):
+    """The kernel library if it applies to tensors like t (on the CPU), else None."""
+    if t.device.type != "cpu" or _state.get("disabled"):
+        return None
+    return cpu_ops()
+
+
+@contextmanager
+def disabled():
+    """PyTorch ops only inside the block, for comparing the two paths. Engines read the choice when they are
+    built, so build and run them inside."""
+    _state["disabled"] = True
+    try:
+        yield
+    finally:
+        _state.pop("disabled")

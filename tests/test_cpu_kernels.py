@@ -1,0 +1,160 @@
+"""Our compiled CPU kernels against the PyTorch ops they replace: bit-identical in bfloat16 where the PyTorch
+path rounds after every op, within float rounding in float32; and the engine gives the same greedy tokens
+(equal to HF's) with and without them."""
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import save_hf_dir, tiny_hf_model
+
+from qwenserve import LLM, SamplingParams, kernels
+from qwenserve.layers.activation import SiluAndMul
+from qwenserve.layers.layernorm import RMSNorm
+from qwenserve.layers.rotary import RotaryEmbedding
+
+
+@pytest.fixture(scope="module")
+def ops():
+    if os.environ.get("QWENSERVE_CPU_KERNELS") == "0":
+        pytest.skip("CPU kernels switched off by QWENSERVE_CPU_KERNELS=0")
+    ops = kernels.cpu_ops()
+    assert ops is not None, "the CPU kernels did not build here (see the warning logged by qwenserve.kernels)"
+    return ops
+
+
+def assert_same(got, expected, dtype):
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, expected)
+    else:
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_and_fused_residual_add(ops, dtype):
+    g = torch.Generator().manual_seed(0)
+    x, residual = (torch.randn(19, 200, generator=g).to(dtype) * 3 for _ in range(2))
+    norm = RMSNorm(200, 1e-6).to(dtype)
+    norm.weight.copy_(torch.randn(200, generator=g))
+    expected = norm._norm(x)
+    assert_same(norm(x), expected, dtype)
+
+    expected_sum = x + residual
+    expected = norm._norm(expected_sum)
+    got, got_sum = norm(x.clone(), residual.clone())
+    assert torch.equal(got_sum, expected_sum)
+    assert_same(got, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul(ops, dtype):
+    x = (torch.randn(7, 2 * 333, generator=torch.Generator().manual_seed(1)) * 6).to(dtype)
+    gate, up = x.chunk(2, dim=-1)
+    assert_same(SiluAndMul()(x), F.silu(gate) * up, dtype)
+
+
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "linear", "factor": 2.0},
+                                     {"rope_type": "dynamic", "factor": 4.0},
+                                     {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_in_place_on_qkv(ops, dtype, scaling):
+    heads, kv_heads, d, t = 6, 2, 32, 23
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # the model builds its cos/sin table in the run dtype
+    try:
+        rotary = RotaryEmbedding(d, 512, 10000.0, 64, scaling)
+    finally:
+        torch.set_default_dtype(previous)
+    g = torch.Generator().manual_seed(2)
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
+    positions = torch.randint(0, 200, (t,), generator=g)  # past 64: dynamic NTK recomputes its frequencies
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    expected_q, expected_k = rotary(positions, q.reshape(t, heads, d), k.reshape(t, kv_heads, d))
+    expected_v = v.clone()
+
+    got_q, got_k, got_v = rotary.rotate_qkv(positions, qkv, heads, kv_heads)
+    assert got_q.data_ptr() == qkv.data_ptr(), "the kernel rotates inside the projection's output"
+    assert_same(got_q, expected_q, dtype)
+    assert_same(got_k, expected_k, dtype)
+    assert torch.equal(got_v.reshape(t, -1), expected_v)
+
+
+def test_rotary_rejects_positions_outside_its_table(ops):
+    rotary = RotaryEmbedding(16, 32, 10000.0, 32)
+    qkv = torch.zeros(2, 3 * 16)
+    with pytest.raises(RuntimeError, match="position 40 is outside the cos/sin table of 32"):
+        rotary.rotate_qkv(torch.tensor([0, 40]), qkv, 1, 1)
+
+
+def reference_decode(q, k_cache, v_cache, tables, lens, scale):
+    out = []
+    kv_heads, d = k_cache.shape[2:]
+    for b in range(q.shape[0]):
+        keys = k_cache[tables[b]].reshape(-1, kv_heads, d)[:lens[b]].transpose(0, 1).float()
+        values = v_cache[tables[b]].reshape(-1, kv_heads, d)[:lens[b]].transpose(0, 1).float()
+        out.append(F.scaled_dot_product_attention(q[b].float().unsqueeze(1), keys, values, scale=scale,
+                                                  enable_gqa=True).squeeze(1))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(14, 2, 64, 16), (4, 4, 24, 5), (8, 1, 128, 3)])
+def test_paged_decode_attention_reads_blocks_in_place(ops, dtype, heads, kv_heads, head_dim, block_size):
+    g = torch.Generator().manual_seed(3)
+    num_blocks, batch = 40, 6
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    width = 36 // block_size + 1
+    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:width] for _ in range(batch)])
+    lens = torch.tensor([1, block_size, block_size + 1, 17, 29, 36])
+    # q as the model hands it over: a strided view into the fused qkv output
+    qkv = torch.randn(batch, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    q = qkv[:, :heads * head_dim].view(batch, heads, head_dim)
+    out = torch.empty(q.shape, dtype=dtype)
+    ops.paged_decode_attention(out, q, k_cache, v_cache, tables, lens, head_dim ** -0.5)
+    expected = reference_decode(q, k_cache, v_cache, tables, lens, head_dim ** -0.5)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+
+
+def test_paged_decode_attention_rejects_a_context_beyond_its_table(ops):
+    cache = torch.zeros(4, 2, 1, 16)
+    q = torch.zeros(1, 1, 16)
+    with pytest.raises(RuntimeError, match="context length out of the block table's range"):
+        ops.paged_decode_attention(torch.empty_like(q), q, cache, cache, torch.tensor([[0, 1]]), torch.tensor([5]), 1.0)
+
+
+def test_engine_gives_the_same_tokens_with_and_without_kernels(ops, tmp_path):
+    hf = tiny_hf_model(seed=5, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    path = save_hf_dir(hf, str(tmp_path))
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (3, 40, 17, 90)]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+
+    def greedy(llm):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+
+    with_kernels = greedy(LLM(path, dtype="float32", kv_cache_memory="4MiB"))
+    with kernels.disabled():
+        llm = LLM(path, dtype="float32", kv_cache_memory="4MiB")
+        assert not llm.engine.runner.decode_kernel
+        without = greedy(llm)
+    assert with_kernels == without
+    for ids, got in zip(prompts, with_kernels):
+        with torch.no_grad():
+            expected = hf.generate(torch.tensor([ids]), max_new_tokens=20, min_new_tokens=20, do_sample=False,
+                                   attention_mask=torch.ones(1, len(ids), dtype=torch.long))[0, len(ids):].tolist()
+        assert got == expected
+
+
+def test_a_failed_build_falls_back_to_pytorch(monkeypatch, caplog):
+    def broken():
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(kernels, "_build", broken)
+    monkeypatch.setattr(kernels, "_state", {})
+    with caplog.at_level("WARNING", logger="qwenserve.kernels"):
+        assert kernels.cpu_ops() is None
+        assert kernels.use_cpu_kernels(torch.zeros(1)) is None
+    assert "no compiler" in caplog.text
