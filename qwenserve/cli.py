@@ -95,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     tput = bench_sub.add_parser("throughput", help="offline throughput: all requests at once, exact output lengths")
     add_engine_args(tput)
-    tput.add_argument("--num-prompts", type=_positive_int, default=32)
+    tput.add_argument("--num-prompts", type=_positive_int, default=None,
+                      help="requests (default 32, or 64 with --varied)")
     tput.add_argument("--input-len", type=_positive_int, default=128)
     tput.add_argument("--output-len", type=_positive_int, default=64)
     tput.add_argument("--varied", action="store_true",
@@ -139,7 +140,8 @@ def cmd_bench(args) -> int:
     if args.bench_command == "load":
         result = bench.bench_load(args.model, args.dtype, args.baseline)
     elif args.bench_command == "throughput":
-        result = bench.bench_throughput(engine_config_from_args(args), args.num_prompts, args.input_len,
+        num_prompts = args.num_prompts or (64 if args.varied else 32)
+        result = bench.bench_throughput(engine_config_from_args(args), num_prompts, args.input_len,
                                         args.output_len, args.varied, args.baseline, args.hf_batch_size)
     elif args.bench_command == "latency":
         result = bench.bench_latency(engine_config_from_args(args), args.input_len, args.output_len, args.baseline)

@@ -98,7 +98,8 @@ def reference_decode(q, k_cache, v_cache, tables, lens, scale):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(14, 2, 64, 16), (4, 4, 24, 5), (8, 1, 128, 3)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size",
+                         [(14, 2, 64, 16), (4, 4, 24, 5), (8, 1, 128, 3), (6, 2, 32, 7)])
 def test_paged_decode_attention_reads_blocks_in_place(ops, dtype, heads, kv_heads, head_dim, block_size):
     g = torch.Generator().manual_seed(3)
     num_blocks, batch = 40, 6

@@ -19,8 +19,10 @@ def cpu_weight_packing_available(weight: torch.Tensor) -> bool:
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    # batch-size hint 1: decode-sized inputs are the ones that are memory-bound; measured faster at every M here
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+    # A batch-size hint of 32 or more selects oneDNN's AB16b32a2b layout (hint 1: AB16b64a2b). Measured over
+    # all of the model's weight shapes, alternating in one process: faster at every M, by 6% at M=1, 16% at
+    # M=32, 9% at M=64 and 13% at M=512.
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32)
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
