@@ -23,10 +23,24 @@ namespace {
 
 constexpr int kLanes = 16;
 
+// float -> T, rounding to nearest even as PyTorch does. c10's own bfloat16 conversion branches on NaN, which
+// keeps loops around it scalar; this one selects instead, so they vectorise.
+template <typename T>
+inline T from_float(float v) {
+  return static_cast<T>(v);
+}
+template <>
+inline c10::BFloat16 from_float<c10::BFloat16>(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof(u));
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return c10::BFloat16(static_cast<uint16_t>(v != v ? 0x7FC0u : rounded), c10::BFloat16::from_bits());
+}
+
 // A value stored as T and read back: the rounding PyTorch applies after every op in dtype T.
 template <typename T>
 inline float round_to(float v) {
-  return static_cast<float>(static_cast<T>(v));
+  return static_cast<float>(from_float<T>(v));
 }
 
 // Vectorisable exp: Cephes' polynomial after range reduction, the rounding done with the 1.5 * 2^23 trick
@@ -84,7 +98,7 @@ void rms_norm_impl(T* out, T* x, T* residual, const T* weight, int64_t rows, int
       if (residual != nullptr) {  // residual <- x + residual; the norm reads the sum
         T* rr = residual + r * n;
         for (int64_t i = 0; i < n; ++i) {
-          T s = static_cast<T>(static_cast<float>(xr[i]) + static_cast<float>(rr[i]));
+          T s = from_float<T>(static_cast<float>(xr[i]) + static_cast<float>(rr[i]));
           rr[i] = s;
           buf[i] = static_cast<float>(s);
         }
@@ -93,7 +107,7 @@ void rms_norm_impl(T* out, T* x, T* residual, const T* weight, int64_t rows, int
       }
       float inv = 1.0f / std::sqrt(sum_of_squares(buf.data(), n) / static_cast<float>(n) + eps);
       T* o = out + r * n;
-      for (int64_t i = 0; i < n; ++i) o[i] = static_cast<T>(w[i] * round_to<T>(buf[i] * inv));
+      for (int64_t i = 0; i < n; ++i) o[i] = from_float<T>(w[i] * round_to<T>(buf[i] * inv));
     }
   });
 }
@@ -144,8 +158,8 @@ void rotary_impl(T* qkv, int64_t row_stride, const int64_t* positions, const T* 
         load_float(x2.data(), x + half, half);
         // HF: x * cos + rotate_half(x) * sin, each product rounded to T before the sum
         for (int64_t i = 0; i < half; ++i) {
-          x[i] = static_cast<T>(round_to<T>(x1[i] * cos[i]) - round_to<T>(x2[i] * sin[i]));
-          x[i + half] = static_cast<T>(round_to<T>(x2[i] * cos[i]) + round_to<T>(x1[i] * sin[i]));
+          x[i] = from_float<T>(round_to<T>(x1[i] * cos[i]) - round_to<T>(x2[i] * sin[i]));
+          x[i + half] = from_float<T>(round_to<T>(x2[i] * cos[i]) + round_to<T>(x1[i] * sin[i]));
         }
       }
     }
@@ -184,7 +198,7 @@ void silu_and_mul_impl(T* out, const T* x, int64_t rows, int64_t d) {
       T* o = out + r * d;
       for (int64_t i = 0; i < d; ++i) {
         float g = gate[i];
-        o[i] = static_cast<T>(round_to<T>(g / (1.0f + exp_approx(-g))) * up[i]);
+        o[i] = from_float<T>(round_to<T>(g / (1.0f + exp_approx(-g))) * up[i]);
       }
     }
   });
@@ -344,7 +358,7 @@ void decode_task_avx512(T* out, const float* query, float* scores, float* staged
       alignas(64) float row[D];
       for (int c = 0; c < C; ++c) _mm512_store_ps(row + c * 16, acc[h][c]);
       T* o = out + (g0 + h) * D;
-      for (int i = 0; i < D; ++i) o[i] = static_cast<T>(row[i]);
+      for (int i = 0; i < D; ++i) o[i] = from_float<T>(row[i]);
     }
   }
 }
@@ -409,7 +423,7 @@ void paged_decode_impl(T* out, const T* q, int64_t q_row_stride, const T* k_cach
       }
       for (int64_t g = 0; g < group; ++g) {
         T* o = task_out + g * head_dim;
-        for (int64_t i = 0; i < head_dim; ++i) o[i] = static_cast<T>(acc[g * head_dim + i]);
+        for (int64_t i = 0; i < head_dim; ++i) o[i] = from_float<T>(acc[g * head_dim + i]);
       }
     }
   });
