@@ -354,12 +354,13 @@ void decode_task_avx512(T* out, const float* query, float* scores, float* staged
         for (int c = 0; c < C; ++c) acc[h][c] = _mm512_fmadd_ps(p, value[c], acc[h][c]);
       }
     }
-    for (int h = 0; h < heads; ++h) {
-      alignas(64) float row[D];
-      for (int c = 0; c < C; ++c) _mm512_store_ps(row + c * 16, acc[h][c]);
-      T* o = out + (g0 + h) * D;
-      for (int i = 0; i < D; ++i) o[i] = from_float<T>(row[i]);
-    }
+    // every accumulator stored with constant indices: indexing acc by the runtime `heads` would keep it in
+    // memory instead of registers through the loop above (measured: the whole kernel 10% slower)
+    alignas(64) float sums[kHeadsPerPass * D];
+    for (int h = 0; h < kHeadsPerPass; ++h)
+      for (int c = 0; c < C; ++c) _mm512_store_ps(sums + h * D + c * 16, acc[h][c]);
+    for (int h = 0; h < heads; ++h)
+      for (int i = 0; i < D; ++i) out[(g0 + h) * D + i] = from_float<T>(sums[h * D + i]);
   }
 }
 
