@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .kernels import use_cpu_kernels
 from .sequence import Logprob, Sequence
 
 NEG_INF = float("-inf")
@@ -39,7 +40,11 @@ def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> list[d
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
-    # max().indices: the same first-maximum index as argmax, about 4x faster on CPU for [32, 152k] bf16
+    """The first index of each row's maximum, as torch.argmax gives it."""
+    ops = use_cpu_kernels(logits)
+    if ops is not None and logits.is_contiguous():
+        return ops.argmax_rows(logits)
+    # max().indices: the same index as argmax, about 4x faster on CPU for [32, 152k] bf16
     return logits.max(dim=-1).indices
 
 

@@ -159,3 +159,13 @@ def test_a_failed_build_falls_back_to_pytorch(monkeypatch, caplog):
         assert kernels.cpu_ops() is None
         assert kernels.use_cpu_kernels(torch.zeros(1)) is None
     assert "no compiler" in caplog.text
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_takes_the_first_maximum(ops, dtype):
+    logits = torch.randn(9, 1003, generator=torch.Generator().manual_seed(6)).to(dtype)
+    logits[3, 10] = logits[3, 500] = logits[3, 900] = 50.0  # ties: the first index wins, as in torch.argmax
+    logits[4, 17] = logits[4, 33] = 50.0  # the same lane of the vector pass
+    logits[5] = 0.0
+    logits[6, 1001] = 60.0  # in the tail past the last full vector
+    assert torch.equal(ops.argmax_rows(logits), logits.argmax(dim=-1))

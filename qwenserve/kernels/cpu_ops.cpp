@@ -458,6 +458,57 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
   });
 }
 
+// ---- greedy sampling: the first index of each row's maximum, as torch.argmax --------------------------------
+// (NaN logits are passed over, where torch.argmax would pick them: either way the model is broken)
+
+template <typename T>
+int64_t first_argmax(const T* row, int64_t n) {
+  int64_t i = 0, best = 0;
+  float best_value = -INFINITY;
+#if defined(__AVX512F__)
+  if constexpr (kWideLoad<T>) {
+    // one pass: per lane, the largest value so far and the first position holding it
+    __m512 lane_max = _mm512_set1_ps(-INFINITY);
+    __m512i lane_pos = _mm512_setzero_si512(), pos = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i step = _mm512_set1_epi32(16);
+    for (; i + 16 <= n && i + 16 <= INT32_MAX; i += 16) {
+      const __m512 x = load16(row + i);
+      const __mmask16 greater = _mm512_cmp_ps_mask(x, lane_max, _CMP_GT_OQ);
+      lane_max = _mm512_mask_mov_ps(lane_max, greater, x);
+      lane_pos = _mm512_mask_mov_epi32(lane_pos, greater, pos);
+      pos = _mm512_add_epi32(pos, step);
+    }
+    alignas(64) float values[16];
+    alignas(64) int32_t positions[16];
+    _mm512_store_ps(values, lane_max);
+    _mm512_store_si512(positions, lane_pos);
+    for (int j = 0; j < 16; ++j)
+      if (values[j] > best_value || (values[j] == best_value && positions[j] < best))
+        best_value = values[j], best = positions[j];
+  }
+#endif
+  for (; i < n; ++i) {
+    const float v = static_cast<float>(row[i]);
+    if (v > best_value) best_value = v, best = i;
+  }
+  return best;
+}
+
+at::Tensor argmax_rows(const at::Tensor& logits) {
+  check_cpu_contiguous_rows(logits, "logits");
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.size(1) > 0, "argmax_rows: logits must be [B, V]");
+  at::Tensor out = at::empty({logits.size(0)}, logits.options().dtype(at::kLong));
+  int64_t* result = out.data_ptr<int64_t>();
+  const int64_t vocab = logits.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "argmax_rows", [&] {
+    const scalar_t* data = logits.data_ptr<scalar_t>();
+    at::parallel_for(0, logits.size(0), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) result[r] = first_argmax(data + r * vocab, vocab);
+    });
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(qwenserve, m) {
@@ -465,6 +516,7 @@ TORCH_LIBRARY(qwenserve, m) {
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("rotary_embedding(Tensor(a!) qkv, Tensor positions, Tensor cos_sin, int heads, int head_dim) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  m.def("argmax_rows(Tensor logits) -> Tensor");
   m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor context_lens, float scale) -> ()");
 }
@@ -475,4 +527,5 @@ TORCH_LIBRARY_IMPL(qwenserve, CPU, m) {
   m.impl("rotary_embedding", &rotary_embedding);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("argmax_rows", &argmax_rows);
 }
