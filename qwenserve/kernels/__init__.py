@@ -7,8 +7,10 @@ library (TORCH_EXTENSIONS_DIR moves the cache).
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import platform
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,12 +24,24 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
+def _cpu_tag() -> str:
+    """A short hash of this CPU's instruction-set flags. The library is built with -march=native, so a cache
+    shared between different machines (a network home directory) must not hand one machine's build to another."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = ""
+    return hashlib.sha1((flags or platform.processor()).encode()).hexdigest()[:8]
+
+
 def _build():
     from torch.utils.cpp_extension import load
 
+    logger.info("loading the CPU kernels (compiled on first use, about 20 s)")
     flags = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"]
-    load(name="qwenserve_cpu_ops", sources=[str(_SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-         is_python_module=False, verbose=False)
+    load(name=f"qwenserve_cpu_ops_{_cpu_tag()}", sources=[str(_SOURCE)], extra_cflags=flags,
+         extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     return torch.ops.qwenserve
 
 
