@@ -169,3 +169,6 @@ def test_argmax_rows_takes_the_first_maximum(ops, dtype):
     logits[5] = 0.0
     logits[6, 1001] = 60.0  # in the tail past the last full vector
     assert torch.equal(ops.argmax_rows(logits), logits.argmax(dim=-1))
+    # rows shorter than one vector take the portable path
+    short = logits[:, :11].contiguous()
+    assert torch.equal(ops.argmax_rows(short), short.argmax(dim=-1))
