@@ -156,6 +156,7 @@ def test_a_failed_build_falls_back_to_pytorch(monkeypatch, caplog):
     def broken():
         raise RuntimeError("no compiler")
 
+    monkeypatch.delenv("QWENSERVE_CPU_KERNELS", raising=False)
     monkeypatch.setattr(kernels, "_build", broken)
     monkeypatch.setattr(kernels, "_state", {})
     with caplog.at_level("WARNING", logger="qwenserve.kernels"):
