@@ -85,39 +85,33 @@ class ModelRunner:
                 (sample_rows, sampling_seqs), prompt_rows)
 
     def _decode_groups(self, rows: list[int], tables: list[np.ndarray], lens: list[int], num_rows: int):
-        """Decode tokens in up to MAX_DECODE_GROUPS batched attentions, sequences of similar context length
-        together: each group pads (gathers and masks) only to its own longest context."""
+        """Decode tokens as batched attentions. The CPU kernel takes them all in one group, each sequence read at
+        its own length. Otherwise up to MAX_DECODE_GROUPS groups of similar context length, each padded (gathered
+        and masked) only to its own longest context."""
         if not rows:
             return []
         lens_arr = np.asarray(lens)
-        if self.decode_kernel:
-            return [self._kernel_decode_group(rows, tables, lens_arr, num_rows)]
-        if len(rows) >= 2 * MAX_DECODE_GROUPS and lens_arr.max() > 2 * lens_arr.min():
+        if not self.decode_kernel and len(rows) >= 2 * MAX_DECODE_GROUPS and lens_arr.max() > 2 * lens_arr.min():
             groups = np.array_split(np.argsort(lens_arr, kind="stable"), MAX_DECODE_GROUPS)
         else:
             groups = [np.arange(len(rows))]
         bs = self.block_size
         out = []
         for members in groups:
-            longest = int(lens_arr[members].max())
+            member_lens = lens_arr[members]
+            longest = int(member_lens.max())
             block_tables = np.zeros((len(members), -(-longest // bs)), dtype=np.int64)
             for i, m in enumerate(members):
                 block_tables[i, :len(tables[m])] = tables[m]
-            member_lens = lens_arr[members]
-            mask = None
-            if (member_lens != longest).any():
+            mask = context_lens = None
+            if self.decode_kernel:
+                context_lens = self._tensor(member_lens)
+            elif (member_lens != longest).any():
                 mask = self._tensor(np.arange(longest)[None, :] < member_lens[:, None], torch.bool)[:, None, None, :]
             # one group holding the whole batch, in row order: its output needs no scatter
             index = None if len(groups) == 1 and len(rows) == num_rows else self._tensor(np.asarray(rows)[members])
-            out.append(DecodeGroup(index, self._tensor(block_tables), longest, mask))
+            out.append(DecodeGroup(index, self._tensor(block_tables), longest, mask, context_lens))
         return out
-
-    def _kernel_decode_group(self, rows: list[int], tables: list[np.ndarray], lens: np.ndarray, num_rows: int):
-        block_tables = np.zeros((len(rows), max(len(t) for t in tables)), dtype=np.int64)
-        for i, table in enumerate(tables):
-            block_tables[i, :len(table)] = table
-        index = None if len(rows) == num_rows else self._tensor(rows)
-        return DecodeGroup(index, self._tensor(block_tables), int(lens.max()), None, self._tensor(lens))
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> ModelOutput:

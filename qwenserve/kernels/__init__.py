@@ -2,7 +2,7 @@
 
 `cpu_ops()` returns torch.ops.qwenserve once the library is loaded, or None when it cannot be: no C++
 compiler, a build error, or QWENSERVE_CPU_KERNELS=0. Callers then take the PyTorch path, which computes the
-same thing with more, smaller ops. The build takes ~30 s once per source version; later runs load the cached
+same thing with more, smaller ops. The build takes ~20 s once per source version; later runs load the cached
 library (TORCH_EXTENSIONS_DIR moves the cache).
 """
 from __future__ import annotations

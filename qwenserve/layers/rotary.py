@@ -99,14 +99,13 @@ class RotaryEmbedding(nn.Module):
         rotated k and v [T, kv_heads, d]. The CPU kernel rotates in place inside qkv."""
         t, d = qkv.shape[0], self.head_dim
         ops = use_cpu_kernels(qkv)
-        if ops is not None and qkv.is_contiguous() and qkv.dtype == self.cos_sin.dtype:
+        in_place = ops is not None and qkv.is_contiguous() and qkv.dtype == self.cos_sin.dtype
+        if in_place:
             table, index = self._table(positions)
             ops.rotary_embedding(qkv, index, table, num_heads + num_kv_heads, d)
-            q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
-            return q.view(t, num_heads, d), k.view(t, num_kv_heads, d), v.view(t, num_kv_heads, d)
         q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
-        q, k = self.forward(positions, q.view(t, num_heads, d), k.view(t, num_kv_heads, d))
-        return q, k, v.view(t, num_kv_heads, d)
+        q, k, v = q.view(t, num_heads, d), k.view(t, num_kv_heads, d), v.view(t, num_kv_heads, d)
+        return (q, k, v) if in_place else (*self.forward(positions, q, k), v)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
