@@ -1,8 +1,8 @@
 """qwenserve: a serving engine for the Qwen2 model family."""
 __version__ = "0.1.0"
 
-from .llm import LLM  # noqa: E402
-from .outputs import CompletionOutput, RequestOutput  # noqa: E402
-from .sampling_params import SamplingParams  # noqa: E402
+from qwenserve.engine.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from qwenserve.entrypoints.llm import LLM  # noqa: E402
+from qwenserve.sample.sampling_params import SamplingParams  # noqa: E402
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]

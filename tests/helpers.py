@@ -40,7 +40,7 @@ def tiny_vocab(vocab_size: int) -> tuple[list[str], list[int], list[str]]:
 
 
 def tiny_tokenizer(vocab_size: int):
-    from qwenserve.tokenizer import tokenizer_from_gguf
+    from qwenserve.model.loader.tokenizer import tokenizer_from_gguf
     tokens, types, merges = tiny_vocab(vocab_size)
     return tokenizer_from_gguf({
         "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2", "tokenizer.ggml.tokens": tokens,

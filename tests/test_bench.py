@@ -4,16 +4,17 @@ import json
 
 import torch
 
+from qwenserve.benchmarks.common import hf_model_like, varied_workload
+from qwenserve.entrypoints.cli.main import main
+from qwenserve.model.loader.model_loader import LoadedModel
+
 from helpers import save_hf_dir, tiny_hf_model
-from qwenserve.bench import hf_model_like, varied_workload
-from qwenserve.cli import main
-from qwenserve.model_loader import LoadedModel
 
 
 def test_hf_baseline_model_is_the_same_model(tmp_path):
     hf = tiny_hf_model(seed=61)
     path = save_hf_dir(hf, str(tmp_path / "m"))
-    baseline = hf_model_like(LoadedModel(path, dtype="float32"))
+    baseline = hf_model_like(LoadedModel(path, dtype="float32").spec)
     ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
     with torch.no_grad():
         torch.testing.assert_close(baseline(ids).logits, hf(ids).logits, atol=1e-5, rtol=1e-5)

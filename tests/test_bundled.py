@@ -3,7 +3,7 @@ import hashlib
 
 import pytest
 
-from qwenserve import bundled
+from qwenserve.model.loader import bundled
 
 
 @pytest.fixture
@@ -67,7 +67,7 @@ def test_missing_part_names_the_install_command(monkeypatch):
 @pytest.mark.slow
 def test_bundled_model_greedy_tokens_equal_hf_transformers():
     """`compare` on the default prompts (English, Chinese, code, chat), 32 tokens each, float32."""
-    from qwenserve.compare import DEFAULT_PROMPTS, format_table, run_compare
+    from qwenserve.tools.compare import DEFAULT_PROMPTS, format_table, run_compare
     results = run_compare(None, DEFAULT_PROMPTS, max_tokens=32)
     print(format_table(results))
     assert len(results) == 4
@@ -83,7 +83,7 @@ def test_bundled_tokenizer_equals_hf_gguf_tokenizer():
 
     from transformers import AutoTokenizer
 
-    from qwenserve.checkpoint import open_checkpoint
+    from qwenserve.model.loader.checkpoint import open_checkpoint
     ckpt = open_checkpoint(None)
     ours = ckpt.tokenizer()
     directory, name = os.path.split(ckpt.path)
@@ -102,7 +102,7 @@ def test_bundled_tokenizer_equals_hf_gguf_tokenizer():
 
 @pytest.mark.slow
 def test_bundled_model_shape_and_default_id():
-    from qwenserve.checkpoint import open_checkpoint
+    from qwenserve.model.loader.checkpoint import open_checkpoint
     ckpt = open_checkpoint(None)
     cfg = ckpt.config
     assert ckpt.model_id == "qwen2.5-coder-0.5b-instruct"
@@ -115,8 +115,8 @@ def test_bundled_model_batched_engine_equals_each_alone_and_bf16_agrees():
     """The four compare prompts in one batch (float32) give the tokens each gives alone, which the compare
     test checks against HF; bfloat16 agrees with float32 on at least 90% of next-token choices."""
     from qwenserve import LLM, SamplingParams
-    from qwenserve.compare import DEFAULT_PROMPTS, prompt_ids
-    from qwenserve.model_runner import full_logits
+    from qwenserve.tools.compare import DEFAULT_PROMPTS, prompt_ids
+    from qwenserve.worker.model_runner import full_logits
 
     llm = LLM(None, dtype="float32", kv_cache_memory="512MiB")
     tok = llm.get_tokenizer()
@@ -127,8 +127,8 @@ def test_bundled_model_batched_engine_equals_each_alone_and_bf16_agrees():
     assert batched == alone
 
     sequence = ids[2] + batched[2]
-    f32 = full_logits(llm.engine.loaded.model, sequence).argmax(-1)
+    f32 = full_logits(llm.engine.executor.worker.model, sequence).argmax(-1)
     del llm
     bf16 = LLM(None, dtype="bfloat16", kv_cache_memory="256MiB")
-    b16 = full_logits(bf16.engine.loaded.model, sequence).argmax(-1)
+    b16 = full_logits(bf16.engine.executor.worker.model, sequence).argmax(-1)
     assert (f32 == b16).float().mean() >= 0.9

@@ -6,10 +6,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from qwenserve.config.model_config import ConfigError, ModelConfig, resolve_dtype
+from qwenserve.model.loader.model_loader import LoadedModel, WeightLoadError
+from qwenserve.model.parallel import TensorParallel, check_head_split, shard_kv_heads
+
 from helpers import save_hf_dir, tiny_hf_model
-from qwenserve.config import ConfigError, ModelConfig, resolve_dtype
-from qwenserve.model_loader import LoadedModel, WeightLoadError
-from qwenserve.parallel import TensorParallel, check_head_split, shard_kv_heads
 
 BASE = dict(model_type="qwen2", vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, max_position_embeddings=512, rms_norm_eps=1e-6)
@@ -134,7 +135,7 @@ def test_max_model_len_too_large_through_loader(tiny_dir):
 
 
 def test_missing_paths_explain_themselves(tmp_path):
-    from qwenserve.checkpoint import open_checkpoint
+    from qwenserve.model.loader.checkpoint import open_checkpoint
     with pytest.raises(ValueError, match="no such file or directory"):
         open_checkpoint(str(tmp_path / "nope"))
     with pytest.raises(ValueError, match="has no config.json"):

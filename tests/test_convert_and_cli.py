@@ -5,10 +5,11 @@ import os
 import pytest
 import torch
 
-from helpers import save_gguf, save_hf_dir, tiny_hf_model
-from qwenserve.cli import main
-from qwenserve.compare import compare_one
 from qwenserve import LLM, SamplingParams
+from qwenserve.entrypoints.cli.main import main
+from qwenserve.tools.compare import compare_one
+
+from helpers import save_gguf, save_hf_dir, tiny_hf_model
 
 PROMPT_IDS = list(range(10, 30))
 
@@ -123,13 +124,13 @@ def test_compare_finds_first_divergence():
 def test_chat_streams_replies_and_keeps_the_conversation(tmp_path):
     import io
 
-    from qwenserve.chat_cli import run_chat
-    from qwenserve.engine_config import EngineConfig
+    from qwenserve.config.engine_config import EngineConfig
+    from qwenserve.entrypoints.cli.chat import run_chat
     src = save_hf_dir(tiny_hf_model(seed=27), str(tmp_path / "src"))
     turns = iter(["hello", "", "and again", "/exit"])
     out = io.StringIO()
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    conv = run_chat(EngineConfig(model=src, dtype="float32", kv_cache_memory="4MiB"), params, "be brief",
+    conv = run_chat(EngineConfig.from_kwargs(model=src, dtype="float32", kv_cache_memory="4MiB"), params, "be brief",
                     read=lambda prompt: next(turns), out=out)
     assert [m["role"] for m in conv] == ["system", "user", "assistant", "user", "assistant"]
     # the first reply equals a one-off greedy chat completion of the same conversation

@@ -2,7 +2,7 @@
 streamed deltas never split a multi-byte character and add up to the full decode."""
 import pytest
 
-from qwenserve.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from qwenserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
 TEXTS = [
     "def add(a, b):\n    return a + b  # 加法\n",
@@ -14,8 +14,8 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from qwenserve.bundled import bundled_model_path
-    from qwenserve.checkpoint import GGUFCheckpoint
+    from qwenserve.model.loader.bundled import bundled_model_path
+    from qwenserve.model.loader.checkpoint import GGUFCheckpoint
     return GGUFCheckpoint(bundled_model_path()).tokenizer()
 
 

@@ -3,8 +3,9 @@ greedy tokens, which equal HF transformers'; sampling parameters behave as the O
 import pytest
 import torch
 
-from helpers import save_hf_dir, tiny_hf_model
 from qwenserve import LLM, SamplingParams
+
+from helpers import save_hf_dir, tiny_hf_model
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -64,6 +65,29 @@ def test_chunked_prefill_gives_the_same_tokens(tiny):
     assert_no_leak(chunked)
 
 
+def test_grouped_sdpa_decode_without_kernels_equals_hf(tiny, monkeypatch):
+    """Without the CPU kernels, a decode batch of 8+ sequences whose contexts differ more than 2x runs as 4
+    SDPA groups, each padded only to its own longest context; the tokens stay HF's."""
+    from qwenserve import kernels
+    from qwenserve.worker.input_batch import MAX_DECODE_GROUPS, InputBatch
+
+    hf, path = tiny
+    group_counts = []
+    original = InputBatch._decode_groups
+
+    def spy(self, *args):
+        groups = original(self, *args)
+        group_counts.append(len(groups))
+        return groups
+    monkeypatch.setattr(InputBatch, "_decode_groups", spy)
+    with kernels.disabled():  # the layers and the runner choose their implementation when built
+        plain = LLM(path, dtype="float32", kv_cache_memory="8MiB")
+    ps = prompts([3, 5, 8, 12, 40, 60, 90, 120], seed=21)
+    assert token_ids(run(plain, ps, max_tokens=12, **GREEDY)) == [hf_greedy(hf, p, 12) for p in ps]
+    assert max(group_counts) == MAX_DECODE_GROUPS
+    assert_no_leak(plain)
+
+
 def test_preemption_keeps_greedy_output(tiny, llm):
     _, path = tiny
     ps = prompts([40, 50, 60, 45, 55, 35], seed=2)
@@ -112,7 +136,7 @@ def test_n_samples_share_prompt_blocks_and_are_reproducible(tiny, llm):
     eng = llm.engine
     eng.add_request("fork", {"prompt_token_ids": p}, params)
     eng.step()  # the first sample's prefill; its siblings then take its 3 full prompt blocks
-    parent, *children = eng.requests["fork"].seqs
+    parent, *children = eng.output_processor.requests["fork"].seqs
     for child in children:
         assert child.block_table[:3] == parent.block_table[:3]
     assert all(eng.kv.ref_cnt[b] == 4 for b in parent.block_table[:3])
@@ -187,7 +211,7 @@ def test_eos_ends_a_request_unless_ignored(tiny):
     p = prompts([12], seed=11)[0]
     free = run(llm, [p], max_tokens=20, **GREEDY)[0].outputs[0].token_ids
     eos = free[5]
-    llm.engine.eos_token_ids = frozenset({eos})  # pretend the checkpoint's EOS is a token greedy decoding emits
+    llm.engine.input_processor.eos_token_ids = frozenset({eos})  # pretend the checkpoint's EOS is a token greedy decoding emits
     natural = run(llm, [p], max_tokens=20, temperature=0.0)[0].outputs[0]
     assert natural.token_ids == free[:free.index(eos) + 1]
     assert natural.finish_reason == "stop" and natural.stop_reason is None
@@ -244,7 +268,7 @@ def test_abort_frees_blocks_at_once(llm):
     eng.step()
     out = eng.abort_request("a")
     assert out.finished and out.outputs[0].finish_reason == "abort"
-    live = [s for r in eng.requests.values() for s in r.seqs]
+    live = [s for r in eng.output_processor.requests.values() for s in r.seqs if not s.finished]
     eng.kv.check_invariants(live)
     while eng.has_unfinished_requests():
         eng.step()
@@ -254,7 +278,29 @@ def test_abort_frees_blocks_at_once(llm):
 def test_penalties_change_the_distribution_as_documented(llm):
     p = prompts([8], seed=14)[0]
     base = run(llm, [p], max_tokens=30, **GREEDY)[0].outputs[0].token_ids
+    assert len(set(base)) < len(base), "the unpenalized output must repeat itself for this test to mean anything"
     rep = run(llm, [p], max_tokens=30, repetition_penalty=10.0, **GREEDY)[0].outputs[0].token_ids
     freq = run(llm, [p], max_tokens=30, frequency_penalty=2.0, presence_penalty=2.0, **GREEDY)[0].outputs[0].token_ids
-    assert len(set(rep)) >= len(set(base)) and len(set(freq)) >= len(set(base))
+    assert len(set(rep)) > len(set(base)) and len(set(freq)) > len(set(base))
     assert len(set(rep) & set(p)) <= len(set(base) & set(p))  # repetition penalty also covers prompt tokens
+
+
+def test_penalties_equal_their_formulas():
+    """Repetition (prompt and output tokens: positive logits divided, negative multiplied), then frequency
+    (per occurrence) and presence (once) on output tokens only, as vLLM and the OpenAI API define them."""
+    from types import SimpleNamespace
+
+    from qwenserve.sample.logits_processors import apply_penalties
+
+    logits = torch.tensor([[2.0, -2.0, 1.0, -1.0, 0.5, 3.0]])
+    prompt, output = [0, 1], [2, 2, 3]
+    row = SimpleNamespace(params=SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25),
+                          token_ids=prompt + output, num_prompt_tokens=len(prompt))
+    got = apply_penalties(logits, [row])
+    # token 0: prompt, positive -> 2/2; 1: prompt, negative -> -2*2; 2: output x2 -> 1/2 - 2*0.5 - 0.25;
+    # 3: output x1 -> -1*2 - 0.5 - 0.25; 4 and 5 unseen
+    expected = torch.tensor([[1.0, -4.0, 0.5 - 1.0 - 0.25, -2.0 - 0.5 - 0.25, 0.5, 3.0]])
+    torch.testing.assert_close(got, expected)
+    assert torch.equal(logits, torch.tensor([[2.0, -2.0, 1.0, -1.0, 0.5, 3.0]]))  # the input is not modified
+    plain = SimpleNamespace(params=SamplingParams(), token_ids=prompt + output, num_prompt_tokens=len(prompt))
+    assert apply_penalties(logits, [plain]) is logits  # no penalty: no copy

@@ -4,12 +4,13 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
+from qwenserve.model.loader.checkpoint import GGUFCheckpoint, gguf_to_hf_name
+from qwenserve.model.loader.dequant import dequantize
+from qwenserve.model.loader.gguf_file import GGUFFile
+from qwenserve.model.loader.model_loader import LoadedModel
+from qwenserve.worker.model_runner import full_logits
+
 from helpers import save_gguf, tiny_hf_model
-from qwenserve.checkpoint import GGUFCheckpoint, gguf_to_hf_name
-from qwenserve.dequant import dequantize
-from qwenserve.gguf_file import GGUFFile
-from qwenserve.model_loader import LoadedModel
-from qwenserve.model_runner import full_logits
 
 Q = GGMLQuantizationType
 # where each block format keeps its fp16 scale(s): random bytes there could be inf/nan
@@ -51,7 +52,7 @@ def test_gguf_name_mapping():
 @pytest.mark.parametrize("quant", ["Q8_0", "Q5_0", "F16"])
 def test_tiny_gguf_loads_like_hf_loads_it(tmp_path, quant):
     """HF transformers reads the same GGUF (dequantizing with the gguf package); logits must agree."""
-    from qwenserve.compare import load_hf_model
+    from qwenserve.tools.compare import load_hf_model
     hf = tiny_hf_model(seed=11)
     path = save_gguf(hf, str(tmp_path / "tiny.gguf"), quant)
     ours = LoadedModel(path, dtype="float32")
@@ -110,7 +111,7 @@ def test_truncated_gguf_is_reported(tmp_path):
 
 
 def test_config_from_gguf_metadata_with_yarn():
-    from qwenserve.checkpoint import config_from_gguf
+    from qwenserve.model.loader.checkpoint import config_from_gguf
     md = {"general.architecture": "qwen2", "qwen2.block_count": 2, "qwen2.context_length": 131072,
           "qwen2.embedding_length": 64, "qwen2.feed_forward_length": 128, "qwen2.attention.head_count": 4,
           "qwen2.attention.head_count_kv": 2, "qwen2.attention.layer_norm_rms_epsilon": 1e-6,

@@ -1,15 +1,17 @@
 """Property-based: random interleavings of add / step / abort / finish on the KV cache manager and the
-scheduler never leak or double-free a block, keep reference counts equal to the live block tables, and
+scheduler never leak or double-free a block, keep the worker's view of every block table (built from the
+SchedulerOutput deltas only) equal to the scheduler's, keep reference counts equal to the live block tables, and
 leave every block free or cached when nothing is live. No model runs: a step 'computes' what it scheduled."""
 import random
 
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from qwenserve.kv_cache_manager import KVCacheManager
-from qwenserve.sampling_params import SamplingParams
-from qwenserve.scheduler import Scheduler
-from qwenserve.sequence import Sequence, Status
+from qwenserve.core.kv_cache_manager import KVCacheManager
+from qwenserve.core.request import Sequence, Status
+from qwenserve.core.scheduler import Scheduler
+from qwenserve.core.step import ModelRunnerOutput
+from qwenserve.sample.sampling_params import SamplingParams
 
 BLOCK = 4
 
@@ -23,13 +25,17 @@ op = st.one_of(
 
 
 class Harness:
+    """The scheduler and KV manager driven through their step contract, with a fake worker that keeps block
+    tables from the SchedulerOutput deltas alone (as the real one does) and samples random tokens."""
+
     def __init__(self, num_blocks, budget, max_seqs, prefix_caching):
         self.kv = KVCacheManager(num_blocks, BLOCK, prefix_caching)
         self.sched = Scheduler(self.kv, max_seqs, budget)
         self.requests: dict[str, list[Sequence]] = {}
+        self.worker_tables: dict[int, list[int]] = {}
         self.ids = 0
         self.rng = random.Random(0)
-        self.preemptions = 0
+        self.resumptions = 0  # sequences run again after a preemption
 
     def live(self):
         return [s for seqs in self.requests.values() for s in seqs if not s.finished]
@@ -43,36 +49,48 @@ class Harness:
         rid = str(self.ids)
         self.ids += 1
         params = SamplingParams(max_tokens=max_tokens, n=n)
-        seqs = [Sequence(self.ids * 10 + i, rid, i, list(prompt), prompt_len, params, self.ids) for i in range(n)]
+        seqs = [Sequence(self.ids * 10 + i, rid, i, list(prompt), prompt_len, params) for i in range(n)]
         seqs[0].fork_children = seqs[1:]
         self.requests[rid] = seqs
         self.sched.add(seqs[0])
 
     def step(self):
-        batch = self.sched.schedule()
-        assert batch.num_tokens <= self.sched.max_num_batched_tokens
+        out = self.sched.schedule()
+        assert out.total_num_scheduled_tokens <= self.sched.max_num_batched_tokens
         assert len(self.sched.running) <= self.sched.max_num_seqs
-        self.preemptions += len(batch.preempted)
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            assert seq.status == Status.RUNNING and seq not in batch.preempted
+        for seq_id in out.finished_seq_ids:
+            del self.worker_tables[seq_id]
+        for new in out.new_seqs:
+            assert new.seq_id not in self.worker_tables
+            self.worker_tables[new.seq_id] = list(new.block_ids)
+        for cached in out.cached_seqs:
+            table = self.worker_tables[cached.seq_id]
+            self.resumptions += cached.resumed_from_preemption
+            self.worker_tables[cached.seq_id] = (list(cached.new_block_ids) if cached.resumed_from_preemption
+                                                 else table + cached.new_block_ids)
+        by_id = {s.seq_id: s for s in self.live()}
+        runner_out = ModelRunnerOutput()
+        for seq_id, n in out.num_scheduled_tokens.items():
+            seq = by_id[seq_id]
+            assert seq.status == Status.RUNNING
             assert n >= 1 and seq.num_computed_tokens + n <= seq.num_tokens
             assert len(seq.block_table) * BLOCK >= seq.num_computed_tokens + n
-            seq.num_computed_tokens += n
-        for seq in batch.seqs:
-            if seq.num_computed_tokens == seq.num_tokens and not seq.finished:
-                self.sched.fork(seq)
-                seq.token_ids.append(self.rng.randrange(50))
-                if seq.num_output_tokens >= seq.params.max_tokens:
-                    self.sched.finish(seq, "length")
+            assert self.worker_tables[seq_id] == seq.block_table, "the worker's block table drifted"
+            if seq.num_computed_tokens + n == seq.num_tokens:
+                runner_out.seq_ids.append(seq_id)
+                runner_out.sampled_token_ids.append(self.rng.randrange(50))
+        ran = self.sched.update_from_output(out, runner_out)
+        assert [s.seq_id for s in ran] == list(out.num_scheduled_tokens)
+        self.sched.finish([by_id[i] for i in runner_out.seq_ids
+                           if by_id[i].num_output_tokens >= by_id[i].params.max_tokens])
         self._drop_finished()
 
-    def end(self, index, reason):
+    def end(self, index):
         if not self.requests:
             return
         rid = sorted(self.requests)[index % len(self.requests)]
-        for seq in self.requests.pop(rid):
-            if not seq.finished:
-                self.sched.finish(seq, reason)
+        seqs = self.requests.pop(rid)
+        self.sched.finish([s for s in seqs if not s.finished])
 
     def _drop_finished(self):
         for rid in [r for r, seqs in self.requests.items() if all(s.finished for s in seqs)]:
@@ -97,7 +115,7 @@ def test_random_operations_keep_blocks_consistent(ops, num_blocks, budget, max_s
         elif o[0] == "step":
             h.step()
         else:
-            h.end(o[1], "abort" if o[0] == "abort" else "stop")
+            h.end(o[1])
         h.check()
     # whatever is left runs to completion: no deadlock, then nothing is held
     for _ in range(2000):
@@ -106,7 +124,7 @@ def test_random_operations_keep_blocks_consistent(ops, num_blocks, budget, max_s
         h.step()
         h.check()
     assert not h.requests, "requests never finished"
-    event(f"preempted: {h.preemptions > 0}")
+    event(f"resumed after preemption: {h.resumptions > 0}")
     event(f"prefix hits: {h.kv.hits > 0}")
     assert all(c == 0 for c in h.kv.ref_cnt)
     assert h.kv.num_free_blocks == h.kv.num_blocks  # every block is free or (evictable) cached

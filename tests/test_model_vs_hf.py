@@ -2,11 +2,11 @@
 import pytest
 import torch
 
-from qwenserve.model_loader import LoadedModel
+from qwenserve import LLM, SamplingParams
+from qwenserve.model.loader.model_loader import LoadedModel
+from qwenserve.worker.model_runner import full_logits
 
 from helpers import save_hf_dir, tiny_hf_model
-from qwenserve import LLM, SamplingParams
-from qwenserve.model_runner import full_logits
 
 SHAPES = {
     "untied-gqa": dict(num_attention_heads=4, num_key_value_heads=2),
@@ -39,7 +39,7 @@ def test_logits_match_hf_over_whole_sequence(pair):
     ids = _prompt(70 if name == "rope-dynamic" else 40, hf.config.vocab_size)
     with torch.no_grad():
         expected = hf(torch.tensor([ids])).logits[0]
-    got = full_logits(ours.engine.loaded.model, ids)
+    got = full_logits(ours.engine.executor.worker.model, ids)
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
 
@@ -62,7 +62,7 @@ def test_cached_decoding_equals_full_recompute(pair):
     ids = _prompt(9, hf.config.vocab_size, seed=3)
     out = ours.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
                         use_tqdm=False)[0].outputs[0]
-    full = full_logits(ours.engine.loaded.model, ids + out.token_ids[:-1])
+    full = full_logits(ours.engine.executor.worker.model, ids + out.token_ids[:-1])
     torch.testing.assert_close(torch.stack(out.logits), full[len(ids) - 1:], atol=1e-5, rtol=1e-5)
 
 

@@ -10,11 +10,13 @@ import openai
 import pytest
 import uvicorn
 
+from qwenserve.config.engine_config import EngineConfig
+from qwenserve.engine.async_engine import AsyncLLMEngine
+from qwenserve.engine.llm_engine import LLMEngine
+from qwenserve.entrypoints.openai.api_server import build_app
+from qwenserve.entrypoints.openai.serving_engine import OpenAIServing
+
 from helpers import save_hf_dir, tiny_hf_model
-from qwenserve.async_engine import AsyncLLMEngine
-from qwenserve.engine import LLMEngine
-from qwenserve.engine_config import EngineConfig
-from qwenserve.server import OpenAIServer
 
 KEY = "test-key"
 
@@ -22,8 +24,8 @@ KEY = "test-key"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     path = save_hf_dir(tiny_hf_model(seed=51, max_position_embeddings=256), str(tmp_path_factory.mktemp("srv")))
-    engine = AsyncLLMEngine(LLMEngine(EngineConfig(model=path, dtype="float32", kv_cache_memory="8MiB")))
-    app = OpenAIServer(engine, ["tiny", "tiny-alias"], api_key=KEY).build_app()
+    engine = AsyncLLMEngine(LLMEngine(EngineConfig.from_kwargs(model=path, dtype="float32", kv_cache_memory="8MiB")))
+    app = build_app(engine, ["tiny", "tiny-alias"], api_key=KEY)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -228,9 +230,9 @@ def test_metrics_are_open_and_count_requests(client, server):
 def test_overload_gets_503_with_retry_after(tmp_path):
     """A bounded waiting queue: while the engine thread is busy, three requests arrive for two waiting slots."""
     path = save_hf_dir(tiny_hf_model(seed=52), str(tmp_path / "m"))
-    engine = AsyncLLMEngine(LLMEngine(EngineConfig(model=path, dtype="float32", kv_cache_memory="4MiB")),
+    engine = AsyncLLMEngine(LLMEngine(EngineConfig.from_kwargs(model=path, dtype="float32", kv_cache_memory="4MiB")),
                             max_waiting_requests=2)
-    app = OpenAIServer(engine, ["tiny"]).build_app()
+    app = build_app(engine, ["tiny"])
 
     async def main():
         transport = httpx.ASGITransport(app=app)
@@ -252,7 +254,7 @@ def test_overload_gets_503_with_retry_after(tmp_path):
 
 
 def test_bench_serve_against_the_live_server(server):
-    from qwenserve.bench_serve import run_bench_serve
+    from qwenserve.benchmarks.serve import run_bench_serve
     result = asyncio.run(run_bench_serve(server[0], num_prompts=8, input_len=12, output_len=6, max_concurrency=4,
                                          request_rate=None, api_key=KEY, model=None, max_token_id=300))
     assert result["model"] == "tiny" and result["completed"] == 8 and result["failed"] == 0
@@ -265,7 +267,7 @@ def test_bench_serve_against_the_live_server(server):
 
 
 def test_non_streaming_client_that_gives_up_is_aborted(server, monkeypatch):
-    monkeypatch.setattr(OpenAIServer, "DISCONNECT_POLL_S", 0.02)
+    monkeypatch.setattr(OpenAIServing, "DISCONNECT_POLL_S", 0.02)
     engine = server[1]
     aborted_before = asyncio.run(engine.call(lambda e: e.num_aborted))
     body = {"prompt": "go on", "max_tokens": 240, "temperature": 0, "ignore_eos": True}
@@ -286,9 +288,9 @@ def test_generation_config_defaults_apply_when_a_request_is_silent(tmp_path, cap
     path = save_hf_dir(tiny_hf_model(seed=53), str(tmp_path / "m"))
     gen_path = tmp_path / "m" / "generation_config.json"
     gen_path.write_text(json.dumps(json.loads(gen_path.read_text()) | {"top_k": 1, "temperature": 0.9}))
-    engine = AsyncLLMEngine(LLMEngine(EngineConfig(model=path, dtype="float32", kv_cache_memory="4MiB")))
-    with caplog.at_level(logging.INFO, logger="qwenserve.server"):
-        app = OpenAIServer(engine, ["tiny"]).build_app()
+    engine = AsyncLLMEngine(LLMEngine(EngineConfig.from_kwargs(model=path, dtype="float32", kv_cache_memory="4MiB")))
+    with caplog.at_level(logging.INFO, logger="qwenserve.entrypoints.openai.api_server"):
+        app = build_app(engine, ["tiny"])
     assert "'top_k': 1" in caplog.text and "'temperature': 0.9" in caplog.text
 
     async def main():

@@ -21,10 +21,10 @@ def _free_port() -> int:
 
 
 def _rank_logits(rank: int, world: int, port: int, path: str, out):
-    from qwenserve.checkpoint import open_checkpoint
-    from qwenserve.model_loader import load_model
-    from qwenserve.parallel import TensorParallel
-    from qwenserve.model_runner import full_logits
+    from qwenserve.model.loader.checkpoint import open_checkpoint
+    from qwenserve.model.loader.model_loader import load_model
+    from qwenserve.model.parallel import TensorParallel
+    from qwenserve.worker.model_runner import full_logits
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -43,8 +43,8 @@ def _rank_logits(rank: int, world: int, port: int, path: str, out):
     (2, dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
 ])
 def test_tensor_parallel_logits_equal_single_process(tmp_path, tp, shape):
-    from qwenserve.model_loader import LoadedModel
-    from qwenserve.model_runner import full_logits
+    from qwenserve.model.loader.model_loader import LoadedModel
+    from qwenserve.worker.model_runner import full_logits
 
     path = save_hf_dir(tiny_hf_model(seed=31, **shape), str(tmp_path / "m"))
     expected = full_logits(LoadedModel(path, dtype="float32").model, IDS)

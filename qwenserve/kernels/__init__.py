@@ -1,9 +1,11 @@
-"""Our compiled CPU kernels (cpu_ops.cpp), built on first use and cached by torch's extension builder.
+"""Our compiled CPU kernels (cpu/: one source per op family, shared helpers in vec.h, the op registration in
+register.cpp), built on first use and cached by torch's extension builder.
 
 `cpu_ops()` returns torch.ops.qwenserve once the library is loaded, or None when it cannot be: no C++
 compiler, a build error, or QWENSERVE_CPU_KERNELS=0. Callers then take the PyTorch path, which computes the
 same thing with more, smaller ops. The build takes ~20 s once per source version; later runs load the cached
-library (TORCH_EXTENSIONS_DIR moves the cache).
+library (TORCH_EXTENSIONS_DIR moves the cache). Layers pick the library once, when they are built, with
+`cpu_ops_for(device)`.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+_SOURCE_DIR = Path(__file__).with_name("cpu")
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -35,13 +37,28 @@ def _cpu_tag() -> str:
     return hashlib.sha1((flags or platform.processor()).encode()).hexdigest()[:8]
 
 
+def _source_files() -> list[Path]:
+    return sorted(p for p in _SOURCE_DIR.iterdir() if p.suffix in (".cpp", ".h"))
+
+
+def _source_tag() -> str:
+    """A short hash of every source and header under cpu/. torch rebuilds when a .cpp changes but does not
+    look at headers, so the hash goes into the library's name: any edit builds afresh."""
+    h = hashlib.sha1()
+    for p in _source_files():
+        h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()[:8]
+
+
 def _build():
     from torch.utils.cpp_extension import load
 
     logger.info("loading the CPU kernels (compiled on first use, about 20 s)")
     flags = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"]
-    load(name=f"qwenserve_cpu_ops_{_cpu_tag()}", sources=[str(_SOURCE)], extra_cflags=flags,
-         extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    sources = [str(p) for p in _source_files() if p.suffix == ".cpp"]
+    load(name=f"qwenserve_cpu_ops_{_cpu_tag()}_{_source_tag()}", sources=sources,
+         extra_include_paths=[str(_SOURCE_DIR)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+         is_python_module=False, verbose=False)
     return torch.ops.qwenserve
 
 
@@ -63,17 +80,19 @@ def cpu_ops():
     return _state["ops"]
 
 
-def use_cpu_kernels(t: torch.Tensor):
-    """The kernel library if it applies to tensors like t (on the CPU), else None."""
-    if t.device.type != "cpu" or _state.get("disabled"):
+def cpu_ops_for(device: torch.device | str):
+    """The kernel library for work on `device`: torch.ops.qwenserve on the CPU unless the kernels are switched
+    off (the `disabled()` block, QWENSERVE_CPU_KERNELS=0) or unavailable; else None. Layers call it once, when
+    they are built, and keep the answer."""
+    if torch.device(device).type != "cpu" or _state.get("disabled"):
         return None
     return cpu_ops()
 
 
 @contextmanager
 def disabled():
-    """PyTorch ops only inside the block, for comparing the two paths. Engines read the choice when they are
-    built, so build and run them inside."""
+    """PyTorch ops only for what is built inside the block (layers and runners choose when they are built),
+    for comparing the two paths."""
     _state["disabled"] = True
     try:
         yield

@@ -1,0 +1,99 @@
+"""Engine settings: one validated object, shared by the Python API, the CLI and the server.
+
+Each setting is declared once, as a field of one of the sections below, with its help text; the CLI's flags
+(`--block-size`, ...) and `LLM(**kwargs)` are generated from those fields (see `EngineConfig.settings`)."""
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+
+from qwenserve.config.errors import ConfigError
+
+GiB = 1 << 30
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 10**6, "mb": 10**6, "mib": 1 << 20,
+          "g": 10**9, "gb": 10**9, "gib": GiB, "t": 10**12, "tb": 10**12, "tib": 1 << 40}
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from an int or a string such as '2GiB', '512MiB', '1.5GB' or '1073741824'."""
+    if isinstance(value, int):
+        return value
+    m = _SIZE.match(str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ConfigError(f"kv_cache_memory {value!r} is not a size (examples: 2GiB, 512MiB, 1073741824)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def setting(default, help: str, **cli):
+    """A field that is also a CLI flag; `cli` may give `type` (the flag's parser) or `hidden` (no flag)."""
+    return field(default=default, metadata={"help": help, **cli})
+
+
+def _check_positive(config, *names: str) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """What to load and where it runs."""
+    model: str | None = setting(None, "HF checkpoint directory or .gguf file "
+                                      "(default: the bundled Qwen2.5-Coder-0.5B-Instruct)")
+    dtype: str = setting("auto", "auto, float32, bfloat16 or float16 (default: %(default)s)")
+    max_model_len: int | None = setting(None, "longest prompt + output in tokens "
+                                              "(default: the model's max_position_embeddings)", type=int)
+    device: str = setting("cpu", "torch device to run on: cpu or cuda[:N] (default: %(default)s)")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = setting(16, "tokens per KV block (default: %(default)s)", type=int)
+    kv_cache_memory: int | str = setting(2 * GiB, "KV cache size, e.g. 2GiB or bytes (default: 2GiB)", type=str)
+    enable_prefix_caching: bool = setting(True, "reuse KV blocks of repeated prompt prefixes (default: on)")
+
+    def __post_init__(self):
+        object.__setattr__(self, "kv_cache_memory", parse_size(self.kv_cache_memory))
+        _check_positive(self, "block_size", "kv_cache_memory")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = setting(256, "sequences per step at most (default: %(default)s)", type=int)
+    max_num_batched_tokens: int = setting(4096, "tokens per step at most; longer prompts are prefilled in chunks "
+                                                "(default: %(default)s)", type=int)
+
+    def __post_init__(self):
+        _check_positive(self, "max_num_seqs", "max_num_batched_tokens")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    load: LoadConfig = field(default_factory=LoadConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    record_logits: bool = setting(False, "keep each sampled step's logits on the outputs (for compare and "
+                                         "debugging; costly: full-vocabulary rows leave the worker)")
+
+    SECTIONS = {"load": LoadConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+
+    @classmethod
+    def settings(cls) -> list[tuple[str | None, dataclasses.Field]]:
+        """(section name or None for a top-level field, field) for every setting."""
+        out = [(name, f) for name, section in cls.SECTIONS.items() for f in dataclasses.fields(section)]
+        return out + [(None, f) for f in dataclasses.fields(cls) if f.name not in cls.SECTIONS]
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> EngineConfig:
+        """Flat settings (LLM(block_size=32, ...), the CLI's parsed flags) into their sections."""
+        sections: dict[str, dict] = {name: {} for name in cls.SECTIONS}
+        top = {}
+        known = {f.name: section for section, f in cls.settings()}
+        for key, value in kwargs.items():
+            if key not in known:
+                raise ConfigError(f"unknown engine argument {key!r}; engine arguments are: {', '.join(sorted(known))}")
+            (sections[known[key]] if known[key] else top)[key] = value
+        return cls(**{name: section(**sections[name]) for name, section in cls.SECTIONS.items()}, **top)

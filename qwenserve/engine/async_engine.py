@@ -1,0 +1,184 @@
+"""The engine for many concurrent callers: one background thread owns the LLMEngine and steps it while any
+request is live; asyncio callers submit requests and read each request's outputs from its own stream.
+
+Only the engine thread touches the engine. Callers send it commands (add, abort) through a thread-safe
+queue and get validation errors back at once; outputs travel back through call_soon_threadsafe."""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from qwenserve.engine.llm_engine import LLMEngine
+from qwenserve.engine.outputs import RequestOutput
+from qwenserve.sample.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class OverloadedError(RuntimeError):
+    """The waiting queue is full: the caller should retry later (HTTP 503)."""
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: object
+    params: SamplingParams
+    stream: "asyncio.Queue[RequestOutput | BaseException | None]"
+    loop: asyncio.AbstractEventLoop
+    done: concurrent.futures.Future
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Call:
+    fn: object
+    done: concurrent.futures.Future
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None):
+        """max_waiting_requests bounds the queue of admitted requests not yet running; beyond it, new requests
+        are refused with OverloadedError instead of piling up."""
+        self.engine = engine
+        # fixed at start, so callers on any thread may read them
+        self.tokenizer = engine.tokenizer
+        self.model_id = engine.model_id
+        self.max_model_len = engine.max_model_len
+        self.generation_defaults = engine.generation_defaults
+        self.max_waiting_requests = max_waiting_requests
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="qwenserve-engine", daemon=True)
+        self._thread.start()
+
+    # ---- caller side ----------------------------------------------------------------------------------
+
+    async def generate(self, request_id: str, prompt, params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """add_request, then stream."""
+        stream = await self.add_request(request_id, prompt, params)
+        async for out in self.stream(request_id, stream):
+            yield out
+
+    async def stream(self, request_id: str, stream: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        """Outputs of one admitted request as they come; the last has finished=True. Leaving the loop early
+        (client gone, task cancelled) aborts the request and frees its blocks."""
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    async def add_request(self, request_id: str, prompt, params: SamplingParams) -> asyncio.Queue:
+        """Admit a request (a bad one raises ValueError here) and return the queue its outputs arrive on."""
+        self._check_alive()
+        loop = asyncio.get_running_loop()
+        stream: asyncio.Queue = asyncio.Queue()
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(_Add(request_id, prompt, params, stream, loop, done))
+        await asyncio.wrap_future(done)  # raises the engine's ValueError for a bad request
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+
+    async def stats(self) -> dict:
+        """The engine's gauges (running, waiting, KV use, prefix hits, aborts), read between steps."""
+        return await self.call(lambda engine: engine.stats())
+
+    async def call(self, fn):
+        """Run fn(engine) on the engine thread (for statistics that must not race with a step)."""
+        self._check_alive()
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(_Call(fn, done))
+        return await asyncio.wrap_future(done)
+
+    def shutdown(self) -> None:
+        self._stopped.set()
+        self._commands.put(None)
+        self._thread.join(timeout=10)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopped.is_set()
+
+    def _check_alive(self) -> None:
+        if not self.alive:
+            raise EngineDeadError("the engine is not running")
+
+    # ---- engine thread --------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                # block while idle; otherwise take what has arrived and step
+                self._handle(self._commands.get() if not self.engine.has_unfinished_requests()
+                             else self._commands.get_nowait())
+                continue
+            except queue.Empty:
+                pass
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # a bug, not a bad request: fail every live request, keep serving
+                logger.exception("engine step failed; aborting %d live requests", len(self._streams))
+                for rid in list(self._streams):
+                    self.engine.abort_request(rid)
+                    self._deliver(rid, e, final=True)
+                continue
+            for out in outputs:
+                self._deliver(out.request_id, out, final=out.finished)
+
+    def _handle(self, cmd) -> None:
+        if cmd is None:
+            return
+        if isinstance(cmd, _Add):
+            waiting = self.engine.num_waiting_sequences
+            if self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
+                cmd.done.set_exception(OverloadedError(
+                    f"the server is overloaded: {waiting} requests are already waiting (--max-waiting-requests "
+                    f"{self.max_waiting_requests}); retry later"))
+                return
+            try:
+                self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params)
+            except Exception as e:
+                cmd.done.set_exception(e)
+                return
+            self._streams[cmd.request_id] = (cmd.loop, cmd.stream)
+            cmd.done.set_result(None)
+        elif isinstance(cmd, _Abort):
+            if cmd.request_id in self._streams:
+                self.engine.abort_request(cmd.request_id)
+                self._streams.pop(cmd.request_id, None)
+        elif isinstance(cmd, _Call):
+            try:
+                cmd.done.set_result(cmd.fn(self.engine))
+            except Exception as e:
+                cmd.done.set_exception(e)
+
+    def _deliver(self, request_id: str, item, final: bool) -> None:
+        target = self._streams.pop(request_id, None) if final else self._streams.get(request_id)
+        if target is not None:
+            loop, stream = target
+            loop.call_soon_threadsafe(stream.put_nowait, item)

@@ -1,0 +1,67 @@
+"""Requests in: a prompt (text, token ids, or a dict of either) and sampling parameters, tokenized and checked
+against the model and the KV cache before anything is queued. A bad request raises RequestError naming the
+field at fault, and leaves nothing behind."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from qwenserve.config.errors import RequestError
+from qwenserve.sample.sampling_params import SamplingParams
+
+
+@dataclass
+class ProcessedRequest:
+    prompt: str | None  # the text, when the prompt came as text
+    prompt_token_ids: list[int]
+    params: SamplingParams  # max_tokens resolved, eos_token_ids filled in
+
+
+class InputProcessor:
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: frozenset[int],
+                 block_size: int, num_kv_blocks: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.block_size = block_size
+        self.num_kv_blocks = num_kv_blocks
+
+    def tokenize(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" not in prompt:
+                raise RequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", param="prompt")
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
+        if isinstance(prompt, (list, tuple)):
+            return None, list(prompt)
+        raise RequestError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}",
+                           param="prompt")
+
+    def process(self, prompt: str | list[int] | dict, params: SamplingParams) -> ProcessedRequest:
+        text, ids = self.tokenize(prompt)
+        self._check(ids, params)
+        max_tokens = params.max_tokens or self.max_model_len - len(ids)
+        params = dataclasses.replace(params, max_tokens=max_tokens, eos_token_ids=self.eos_token_ids)
+        return ProcessedRequest(text, ids, params)
+
+    def _check(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise RequestError("the prompt is empty", param="prompt")
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"prompt token ids must be integers in [0, {self.vocab_size}); got {bad[:5]}",
+                               param="prompt")
+        max_tokens = params.max_tokens or 1
+        if len(ids) + max_tokens > self.max_model_len:
+            raise RequestError(f"prompt too long: {len(ids)} prompt tokens + {max_tokens} max_tokens = "
+                               f"{len(ids) + max_tokens} exceeds max_model_len {self.max_model_len}", param="prompt")
+        tokens = len(ids) + (params.max_tokens or self.max_model_len - len(ids))
+        need = -(-tokens // self.block_size)
+        if need > self.num_kv_blocks:
+            raise RequestError(f"prompt too long for the KV cache: {len(ids)} prompt tokens + max_tokens need "
+                               f"{need} blocks, the cache has {self.num_kv_blocks} (raise kv_cache_memory)",
+                               param="prompt")

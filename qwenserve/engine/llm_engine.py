@@ -1,0 +1,97 @@
+"""The engine: requests in, outputs out. Each step the scheduler picks a batch, the executor runs it (model and
+sampler, in the worker), the scheduler records what was computed, and the output processor turns new tokens
+into text and decides which sequences end."""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+from qwenserve.config.engine_config import EngineConfig
+from qwenserve.config.errors import RequestError
+from qwenserve.core.kv_cache_manager import KVCacheManager
+from qwenserve.core.request import Sequence
+from qwenserve.core.scheduler import Scheduler
+from qwenserve.engine.input_processor import InputProcessor
+from qwenserve.engine.output_processor import OutputProcessor
+from qwenserve.engine.outputs import RequestOutput
+from qwenserve.executor.uniproc_executor import UniProcExecutor
+from qwenserve.model.loader.model_loader import ModelSpec
+from qwenserve.sample.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.spec = ModelSpec.resolve(config.load.model, config.load.dtype, config.load.max_model_len)
+        checkpoint = self.spec.checkpoint
+        self.model_id = checkpoint.model_id
+        self.max_model_len = self.spec.max_model_len
+        self.tokenizer = checkpoint.tokenizer()
+        generation = checkpoint.generation_config
+        # sampling defaults from the checkpoint, for requests that do not set them (the server applies them)
+        self.generation_defaults = {k: generation[k] for k in GENERATION_DEFAULT_KEYS if generation.get(k) is not None}
+
+        self.executor = UniProcExecutor(config, self.spec)
+        self.kv = KVCacheManager(self.executor.num_kv_blocks, config.cache.block_size,
+                                 config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens)
+        self.input_processor = InputProcessor(self.tokenizer, checkpoint.config.vocab_size, self.max_model_len,
+                                              frozenset(self.spec.stop_token_ids(self.tokenizer)),
+                                              config.cache.block_size, self.kv.num_blocks)
+        self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len, config.record_logits)
+        self.num_aborted = 0  # requests stopped before their end (client gone, or an explicit abort)
+        self._seq_ids = itertools.count()
+
+    # ---- requests -------------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        if request_id in self.output_processor.requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        request = self.input_processor.process(prompt, params or SamplingParams())
+        params = request.params
+        seqs = [Sequence(next(self._seq_ids), request_id, i, list(request.prompt_token_ids),
+                         len(request.prompt_token_ids), params.child(i) if params.n > 1 else params)
+                for i in range(params.n)]
+        seqs[0].fork_children = seqs[1:]  # siblings start from the first one's prompt blocks
+        self.output_processor.add_request(request_id, request, seqs, arrival_time or time.time())
+        self.scheduler.add(seqs[0])
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its blocks at once. Returns its final output, or None if unknown."""
+        output, live = self.output_processor.abort(request_id)
+        if output is not None:
+            self.num_aborted += 1
+            self.scheduler.finish(live)
+        return output
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.output_processor.requests)
+
+    # ---- the step -------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            return []
+        runner_output = self.executor.execute_model(scheduler_output)
+        ran = self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs, finished = self.output_processor.process(ran, runner_output)
+        self.scheduler.finish(finished)
+        return outputs
+
+    # ---- state, for the server's gauges ---------------------------------------------------------------
+
+    @property
+    def num_waiting_sequences(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def stats(self) -> dict:
+        kv = self.kv
+        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "kv_usage": kv.usage, "hit_rate": kv.hits / kv.queries if kv.queries else 0.0,
+                "aborted": self.num_aborted, "free_blocks": kv.num_free_blocks, "num_blocks": kv.num_blocks}

@@ -1,0 +1,84 @@
+"""`qwenserve bench ...`: measurements, never tests (throughput, latency, prefix, load, serve)."""
+from __future__ import annotations
+
+import argparse
+
+from qwenserve.entrypoints.cli.engine_args import add_engine_args, engine_config_from_args, positive_int
+
+
+def register(sub) -> None:
+    bench = sub.add_parser("bench", help="benchmarks (speed and memory are measured here, not in tests)")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    load = bench_sub.add_parser("load", help="time to load weights and tokenizer")
+    add_engine_args(load, only=("model", "dtype"))
+    load.add_argument("--baseline", choices=["hf"], default=None, help="also time HF transformers on the same file")
+    load.add_argument("--json", action="store_true")
+
+    tput = bench_sub.add_parser("throughput", help="offline throughput: all requests at once, exact output lengths")
+    add_engine_args(tput)
+    tput.add_argument("--num-prompts", type=positive_int, default=None,
+                      help="requests (default 32, or 64 with --varied)")
+    tput.add_argument("--input-len", type=positive_int, default=128)
+    tput.add_argument("--output-len", type=positive_int, default=64)
+    tput.add_argument("--varied", action="store_true",
+                      help="prompt lengths 16-512 and output lengths 8-256 (deterministic) instead of fixed ones")
+    tput.add_argument("--baseline", choices=["hf"], default=None,
+                      help="also run HF transformers (static batches, left padded, run to the longest)")
+    tput.add_argument("--hf-batch-size", type=positive_int, default=32)
+    tput.add_argument("--json", action="store_true")
+
+    lat = bench_sub.add_parser("latency", help="one request: time to first token and per output token")
+    add_engine_args(lat)
+    lat.add_argument("--input-len", type=positive_int, default=128)
+    lat.add_argument("--output-len", type=positive_int, default=128)
+    lat.add_argument("--baseline", choices=["hf"], default=None)
+    lat.add_argument("--json", action="store_true")
+
+    pre = bench_sub.add_parser("prefix", help="TTFT with a cached vs an uncached shared prefix")
+    add_engine_args(pre)
+    pre.add_argument("--prefix-len", type=positive_int, default=1024)
+    pre.add_argument("--num-prompts", type=positive_int, default=5)
+    pre.add_argument("--json", action="store_true")
+
+    srv = bench_sub.add_parser("serve", help="drive a running OpenAI-compatible server with streaming requests")
+    srv.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (without /v1)")
+    srv.add_argument("--num-prompts", type=positive_int, default=64)
+    srv.add_argument("--input-len", type=positive_int, default=128)
+    srv.add_argument("--output-len", type=positive_int, default=64)
+    srv.add_argument("--max-concurrency", type=positive_int, default=None)
+    srv.add_argument("--request-rate", type=float, default=None, help="requests per second (Poisson arrivals)")
+    srv.add_argument("--api-key", default=None)
+    srv.add_argument("--served-model", default=None, help="model id to ask for (default: the server's first)")
+    srv.add_argument("--max-token-id", type=positive_int, default=50000,
+                     help="prompts are random token ids below this (default: %(default)s)")
+    srv.add_argument("--json", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    from qwenserve.benchmarks.common import print_result
+
+    if args.bench_command == "load":
+        from qwenserve.benchmarks.load import bench_load
+        result = bench_load(args.model, args.dtype, args.baseline)
+    elif args.bench_command == "throughput":
+        from qwenserve.benchmarks.throughput import bench_throughput
+        num_prompts = args.num_prompts or (64 if args.varied else 32)
+        result = bench_throughput(engine_config_from_args(args), num_prompts, args.input_len, args.output_len,
+                                  args.varied, args.baseline, args.hf_batch_size)
+    elif args.bench_command == "latency":
+        from qwenserve.benchmarks.latency import bench_latency
+        result = bench_latency(engine_config_from_args(args), args.input_len, args.output_len, args.baseline)
+    elif args.bench_command == "prefix":
+        from qwenserve.benchmarks.prefix import bench_prefix
+        result = bench_prefix(engine_config_from_args(args), args.prefix_len, args.num_prompts)
+    else:
+        import asyncio
+
+        from qwenserve.benchmarks.serve import run_bench_serve
+        if (args.request_rate is None) == (args.max_concurrency is None):
+            raise ValueError("bench serve needs exactly one of --request-rate and --max-concurrency")
+        result = asyncio.run(run_bench_serve(args.url, args.num_prompts, args.input_len, args.output_len,
+                                             args.max_concurrency, args.request_rate, args.api_key,
+                                             args.served_model, max_token_id=args.max_token_id))
+    print_result(f"bench {args.bench_command}", result, args.json)
+    return 0

@@ -1,0 +1,79 @@
+"""The offline Python API, as in vLLM: LLM(model=...).generate(prompts, SamplingParams(...))."""
+from __future__ import annotations
+
+import itertools
+import time
+
+from qwenserve.config.engine_config import EngineConfig
+from qwenserve.engine.llm_engine import LLMEngine
+from qwenserve.engine.outputs import RequestOutput
+from qwenserve.model.loader.tokenizer import chat_prompt_ids
+from qwenserve.sample.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | None = None, dtype: str = "auto", config: EngineConfig | None = None,
+                 **engine_args):
+        """Engine arguments by name (block_size=32, kv_cache_memory="1GiB", ...; see config/engine_config.py),
+        or a whole EngineConfig."""
+        self.engine = LLMEngine(config or EngineConfig.from_kwargs(model=model, dtype=dtype, **engine_args))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """prompts: a string, a {"prompt_token_ids": [...]} dict, or a list of them. One output per prompt,
+        in order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        return self._run(list(zip(prompts, params)), use_tqdm)
+
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """messages: one conversation (a list of {"role", "content"} dicts) or a list of conversations."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tok = self.get_tokenizer()
+        prompts = [{"prompt_token_ids": chat_prompt_ids(tok, conv, add_generation_prompt)} for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, work: list, use_tqdm: bool) -> list[RequestOutput]:
+        ids = []
+        try:
+            for prompt, params in work:
+                ids.append(str(next(self._ids)))
+                self.engine.add_request(ids[-1], prompt, params)
+        except Exception:
+            for rid in ids:  # a bad prompt aborts the whole call, leaving nothing behind in the engine
+                self.engine.abort_request(rid)
+            raise
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        start, generated = time.perf_counter(), 0
+        try:
+            while len(results) < len(ids):
+                for out in self.engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        generated += sum(len(c.token_ids) for c in out.outputs)
+                        if bar is not None:
+                            bar.update(1)
+                            bar.set_postfix_str(f"output {generated / (time.perf_counter() - start):.1f} tok/s")
+        except BaseException:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [results[rid] for rid in ids]

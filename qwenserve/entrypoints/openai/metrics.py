@@ -1,0 +1,57 @@
+"""Prometheus metrics for the server. Request-level series are recorded when the server reads a request's
+final output; gauges are read from the engine's stats() at scrape time."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from qwenserve.engine.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
+
+
+class ServerMetrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()  # one per server: no global state shared between instances
+        r = self.registry
+        self.running = Gauge("qwenserve_num_requests_running", "Sequences in the running batch", registry=r)
+        self.waiting = Gauge("qwenserve_num_requests_waiting", "Sequences waiting to be scheduled", registry=r)
+        self.kv_usage = Gauge("qwenserve_kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)", registry=r)
+        self.prefix_hit_rate = Gauge("qwenserve_prefix_cache_hit_rate",
+                                     "Prompt tokens found in the prefix cache / prompt tokens looked up", registry=r)
+        self.aborted = Gauge("qwenserve_num_aborted_requests_total", "Requests aborted since start", registry=r)
+        self.prompt_tokens = Counter("qwenserve_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("qwenserve_generation_tokens", "Generated tokens of finished requests",
+                                         registry=r)
+        self.finished = Counter("qwenserve_request_success", "Finished requests by finish reason",
+                                ["finished_reason"], registry=r)
+        self.ttft = Histogram("qwenserve_time_to_first_token_seconds", "Time to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("qwenserve_time_per_output_token_seconds", "Mean time per output token after the first",
+                              buckets=_TOKEN_BUCKETS, registry=r)
+        self.e2e = Histogram("qwenserve_e2e_request_latency_seconds", "Request latency, arrival to last token",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+
+    def record_finished(self, out: RequestOutput) -> None:
+        m = out.metrics
+        generated = sum(len(c.token_ids) for c in out.outputs)
+        self.prompt_tokens.inc(len(out.prompt_token_ids))
+        self.generation_tokens.inc(generated)
+        for c in out.outputs:
+            self.finished.labels(finished_reason=c.finish_reason or "unknown").inc()
+        if m.first_token_time is not None:
+            self.ttft.observe(m.first_token_time - m.arrival_time)
+            if m.finished_time is not None:
+                self.e2e.observe(m.finished_time - m.arrival_time)
+                per_seq = max(len(c.token_ids) for c in out.outputs)
+                if per_seq > 1:
+                    self.tpot.observe((m.finished_time - m.first_token_time) / (per_seq - 1))
+
+    def render(self, snap: dict) -> bytes:
+        """The exposition text, with the gauges set from `snap` (AsyncLLMEngine.stats())."""
+        self.running.set(snap["running"])
+        self.waiting.set(snap["waiting"])
+        self.kv_usage.set(snap["kv_usage"])
+        self.prefix_hit_rate.set(snap["hit_rate"])
+        self.aborted.set(snap["aborted"])
+        return generate_latest(self.registry)

@@ -1,0 +1,25 @@
+// The op entry points, one definition each in the op family's source file (norm.cpp, rotary.cpp,
+// activation.cpp, attention.cpp, sampling.cpp), declared here so register.cpp can bind them to the schemas of
+// torch.ops.qwenserve in one place. Each checks its arguments and dispatches on the dtype (float32, float64,
+// bfloat16, float16); the shapes each expects are documented at its definition.
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace qwenserve::cpu {
+
+// norm.cpp
+void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps);
+void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
+// rotary.cpp
+void rotary_embedding(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos_sin, int64_t heads,
+                      int64_t head_dim);
+// activation.cpp
+void silu_and_mul(at::Tensor& out, const at::Tensor& x);
+// attention.cpp
+void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& block_tables, const at::Tensor& context_lens, double scale);
+// sampling.cpp
+at::Tensor argmax_rows(const at::Tensor& logits);
+
+}  // namespace qwenserve::cpu

@@ -1,0 +1,27 @@
+// Registers the fused CPU kernels for the decoder layer as torch.ops.qwenserve.*. Each replaces a chain of small
+// PyTorch ops (and their temporaries) with one pass over the data. The schemas and the CPU bindings live here
+// only: TORCH_LIBRARY may appear once per library, and keeping the bindings next to it shows every op at a
+// glance. Built at first use by qwenserve/kernels/__init__.py (all of cpu/*.cpp, -O3 -march=native).
+
+#include <torch/library.h>
+
+#include "ops.h"
+
+TORCH_LIBRARY(qwenserve, m) {
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
+  m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("rotary_embedding(Tensor(a!) qkv, Tensor positions, Tensor cos_sin, int heads, int head_dim) -> ()");
+  m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  m.def("argmax_rows(Tensor logits) -> Tensor");
+  m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor context_lens, float scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(qwenserve, CPU, m) {
+  m.impl("rms_norm", &qwenserve::cpu::rms_norm);
+  m.impl("fused_add_rms_norm", &qwenserve::cpu::fused_add_rms_norm);
+  m.impl("rotary_embedding", &qwenserve::cpu::rotary_embedding);
+  m.impl("silu_and_mul", &qwenserve::cpu::silu_and_mul);
+  m.impl("paged_decode_attention", &qwenserve::cpu::paged_decode_attention);
+  m.impl("argmax_rows", &qwenserve::cpu::argmax_rows);
+}

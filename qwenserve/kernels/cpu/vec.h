@@ -1,0 +1,126 @@
+// Shared inline helpers for the CPU kernels: bf16/fp16 rounding, a vectorisable exp, float loads and the
+// fixed-width lane reductions, plus the AVX-512 16-wide loads. Roundings follow HF transformers' order of
+// operations in the activation dtype, so bfloat16 results match the PyTorch path bit for bit where the PyTorch
+// path rounds, and float32 results agree to float rounding. The loops are written as fixed-width lanes so the
+// compiler vectorises them without -ffast-math (which would reorder the sums and break the bit-equality). Every
+// x86 intrinsic sits under __AVX512F__, so the same sources build the portable path anywhere else; everything
+// here is inline, so each op family's translation unit can include it.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+namespace qwenserve::cpu {
+
+inline constexpr int kLanes = 16;
+
+// float -> T, rounding to nearest even as PyTorch does. c10's own bfloat16 conversion branches on NaN, which
+// keeps loops around it scalar; this one selects instead, so they vectorise.
+template <typename T>
+inline T from_float(float v) {
+  return static_cast<T>(v);
+}
+template <>
+inline c10::BFloat16 from_float<c10::BFloat16>(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof(u));
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return c10::BFloat16(static_cast<uint16_t>(v != v ? 0x7FC0u : rounded), c10::BFloat16::from_bits());
+}
+
+// A value stored as T and read back: the rounding PyTorch applies after every op in dtype T.
+template <typename T>
+inline float round_to(float v) {
+  return static_cast<float>(from_float<T>(v));
+}
+
+// Vectorisable exp: Cephes' polynomial after range reduction, the rounding done with the 1.5 * 2^23 trick
+// (plain arithmetic, no library call, so loops over it vectorise). Relative error ~2e-7 over [-87, 88].
+inline float exp_approx(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float magic = 12582912.0f;
+  float n = (x * 1.44269504088896341f + magic) - magic;
+  float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+template <typename T>
+inline void load_float(float* dst, const T* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc[kLanes] = {0};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int j = 0; j < kLanes; ++j) acc[j] += a[i + j] * b[i + j];
+  float sum = 0;
+  for (int j = 0; j < kLanes; ++j) sum += acc[j];
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+inline float sum_of_squares(const float* a, int64_t n) { return dot(a, a, n); }
+
+inline float max_of(const float* a, int64_t n) {
+  float lanes[kLanes];
+  std::fill(lanes, lanes + kLanes, -INFINITY);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int j = 0; j < kLanes; ++j) lanes[j] = std::max(lanes[j], a[i + j]);
+  float m = -INFINITY;
+  for (int j = 0; j < kLanes; ++j) m = std::max(m, lanes[j]);
+  for (; i < n; ++i) m = std::max(m, a[i]);
+  return m;
+}
+
+inline float sum_of(const float* a, int64_t n) {
+  float lanes[kLanes] = {0};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int j = 0; j < kLanes; ++j) lanes[j] += a[i + j];
+  float sum = 0;
+  for (int j = 0; j < kLanes; ++j) sum += lanes[j];
+  for (; i < n; ++i) sum += a[i];
+  return sum;
+}
+
+inline void check_cpu_contiguous_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
+  TORCH_CHECK(t.stride(-1) == 1, name, " must be contiguous in its last dimension");
+}
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+// element types with a 16-wide AVX-512 load above (double takes the portable path)
+template <typename T>
+inline constexpr bool kWideLoad = !std::is_same_v<T, double>;
+#endif
+
+}  // namespace qwenserve::cpu

@@ -1,0 +1,60 @@
+"""Vocabulary-parallel embedding and LM head: each rank owns a contiguous range of token ids."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qwenserve.model.layers.linear import LinearMethod, UnquantizedLinearMethod
+from qwenserve.model.parallel import TensorParallel
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel = TensorParallel()):
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.shard_size = -(-vocab_size // tp.size)  # ceil: the last shard may be padded
+        self.start = tp.rank * self.shard_size
+        self.weight = nn.Parameter(torch.zeros(self.shard_size, hidden_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if loaded.shape[1] != param.shape[1] or loaded.shape[0] != self.vocab_size:
+            raise ValueError(f"{type(self).__name__}: checkpoint tensor has shape {tuple(loaded.shape)}, "
+                             f"the model expects ({self.vocab_size}, {param.shape[1]})")
+        rows = min(self.shard_size, self.vocab_size - self.start)
+        param.data[:rows].copy_(loaded.narrow(0, self.start, rows))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        owned = (local >= 0) & (local < self.shard_size)
+        out = F.embedding(local.clamp(0, self.shard_size - 1), self.weight) * owned.unsqueeze(-1)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Hidden states -> logits over the full vocabulary (each rank computes its slice, then gather). Its
+    matmul is a linear method's, like any linear layer's; a tied head shares its weight with the embedding."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel = TensorParallel(),
+                 linear_method: LinearMethod | None = None):
+        super().__init__(vocab_size, hidden_size, tp)
+        self.linear_method = linear_method or UnquantizedLinearMethod()
+        self.packed_weight = None
+        self.weight_is_shared = False
+
+    def tie_to(self, embedding: VocabParallelEmbedding) -> None:
+        self.weight = embedding.weight
+        self.weight_is_shared = True  # the embedding lookup still reads the plain weight
+
+    def process_weights_after_loading(self) -> None:
+        self.linear_method.process_weights_after_loading(self)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.linear_method.apply(self, hidden, None)
+        if self.tp.size > 1:
+            logits = self.tp.all_gather_last_dim(logits)
+        return logits[..., :self.vocab_size]

@@ -1,0 +1,166 @@
+"""Linear layers that shard their weight across tensor-parallel ranks.
+
+Each parameter carries a `weight_loader(param, loaded, shard_id=None)` that copies this rank's slice of a
+full checkpoint tensor into it, so the model loader needs no knowledge of the sharding.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qwenserve.model.parallel import TensorParallel, shard_kv_heads
+
+
+class LinearMethod:
+    """How a linear layer stores and applies its weight (vLLM's quantization-method seam). The layer owns the
+    parameters; the method creates them, may re-arrange them once loading is done, and computes y = x W^T + b.
+    Quantized weights and LoRA plug in here without touching the model."""
+
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int) -> None:
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        pass
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def cpu_weight_packing_available(weight: torch.Tensor) -> bool:
+    """oneDNN can pre-arrange a bf16 weight for its CPU kernels (the layout Inductor uses when freezing)."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise") and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+class UnquantizedLinearMethod(LinearMethod):
+    """Dense weights in the run dtype. In bf16 on the CPU the weight is swapped after loading for oneDNN's
+    pre-arranged copy (about 30% faster decode matmuls, same results); the plain weight is then dropped, so
+    this costs no memory, unless the layer shares it (a tied LM head keeps it for the embedding lookup)."""
+
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int) -> None:
+        layer.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        layer.weight.weight_loader = layer.weight_loader
+        layer.packed_weight = None
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if layer.packed_weight is None and cpu_weight_packing_available(layer.weight):
+            # A batch-size hint of 32 or more selects oneDNN's AB16b32a2b layout (hint 1: AB16b64a2b). Measured
+            # over all of the model's weight shapes, alternating in one process: faster at every M, by 6% at
+            # M=1, 16% at M=32, 9% at M=64 and 13% at M=512.
+            layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), 32)
+            if not getattr(layer, "weight_is_shared", False):
+                layer.weight = None
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if layer.packed_weight is not None:
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), layer.packed_weight, bias, "none", [], "")
+        return F.linear(x, layer.weight, bias)
+
+
+def _check_shape(param: nn.Parameter, loaded: torch.Tensor, what: str) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"{what}: checkpoint tensor has shape {tuple(loaded.shape)}, "
+                         f"the model expects {tuple(param.shape)}")
+
+
+class _ParallelLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel,
+                 linear_method: LinearMethod | None):
+        super().__init__()
+        self.tp = tp
+        self.linear_method = linear_method or UnquantizedLinearMethod()
+        self.linear_method.create_weights(self, in_features, out_features)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def process_weights_after_loading(self) -> None:
+        self.linear_method.process_weights_after_loading(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_method.apply(self, x, self.bias)
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """Output features split across ranks; each rank computes its slice, no communication."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TensorParallel = TensorParallel(),
+                 linear_method: LinearMethod | None = None):
+        if out_features % tp.size:
+            raise ValueError(f"output size {out_features} is not divisible by tensor_parallel_size {tp.size}")
+        super().__init__(in_features, out_features // tp.size, bias, tp, linear_method)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        rows = param.shape[0]
+        loaded = loaded.narrow(0, self.tp.rank * rows, rows)
+        _check_shape(param, loaded, type(self).__name__)
+        param.data.copy_(loaded)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs stored as one matrix (gate_proj and up_proj -> gate_up_proj)."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False,
+                 tp: TensorParallel = TensorParallel(), linear_method: LinearMethod | None = None):
+        self.output_sizes = output_sizes
+        super().__init__(in_features, sum(output_sizes), bias, tp, linear_method)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+        size = self.output_sizes[shard_id] // self.tp.size
+        offset = sum(self.output_sizes[:shard_id]) // self.tp.size
+        loaded = loaded.narrow(0, self.tp.rank * size, size)
+        target = param.data.narrow(0, offset, size)
+        _check_shape(target, loaded, f"{type(self).__name__} shard {shard_id}")
+        target.copy_(loaded)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections in one matrix, this rank's query heads and kv heads only."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = True,
+                 tp: TensorParallel = TensorParallel(), linear_method: LinearMethod | None = None):
+        self.head_dim = head_dim
+        self.num_heads = num_heads // tp.size
+        self.num_kv_heads, self.first_kv_head = shard_kv_heads(num_kv_heads, tp)
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        _ParallelLinear.__init__(self, hidden_size, out, bias, tp, linear_method)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if shard_id == "q":
+            offset, size, start = 0, q, self.tp.rank * q
+        elif shard_id in ("k", "v"):
+            offset = q if shard_id == "k" else q + kv
+            size, start = kv, self.first_kv_head * self.head_dim
+        else:
+            raise ValueError(f"unknown qkv shard {shard_id!r}")
+        target = param.data.narrow(0, offset, size)
+        loaded = loaded.narrow(0, start, size)
+        _check_shape(target, loaded, f"{type(self).__name__} shard {shard_id}")
+        target.copy_(loaded)
+
+
+class RowParallelLinear(_ParallelLinear):
+    """Input features split across ranks; partial products are summed with an all-reduce."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TensorParallel = TensorParallel(),
+                 linear_method: LinearMethod | None = None):
+        if in_features % tp.size:
+            raise ValueError(f"input size {in_features} is not divisible by tensor_parallel_size {tp.size}")
+        super().__init__(in_features // tp.size, out_features, bias, tp, linear_method)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if param.dim() == 2:
+            cols = param.shape[1]
+            loaded = loaded.narrow(1, self.tp.rank * cols, cols)
+        _check_shape(param, loaded, type(self).__name__)
+        param.data.copy_(loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # the bias is added once, after the reduction
+        y = self.linear_method.apply(self, x, None)
+        y = self.tp.all_reduce(y)
+        return y + self.bias if self.bias is not None else y

@@ -1,0 +1,164 @@
+"""Where a model comes from: an HF directory, a GGUF file, or (no --model) the bundled GGUF.
+
+A checkpoint gives the model config, the weights as (HF parameter name, tensor) pairs, the tokenizer and
+the generation defaults; everything downstream is the same whichever kind it is."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from qwenserve.config.model_config import ConfigError, ModelConfig
+from qwenserve.model.loader import bundled
+from qwenserve.model.loader.dequant import dequantize
+from qwenserve.model.loader.gguf_file import GGUFFile
+from qwenserve.model.loader.tokenizer import load_hf_tokenizer, tokenizer_from_gguf
+
+
+@dataclass
+class Checkpoint:
+    path: str
+    model_id: str
+    config: ModelConfig
+    naming: str  # how its tensors are named, for error messages
+    generation_config: dict = field(default_factory=dict)
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        raise NotImplementedError
+
+    def tokenizer(self):
+        raise NotImplementedError
+
+
+def open_checkpoint(model: str | None = None) -> Checkpoint:
+    if model is None:
+        return GGUFCheckpoint(bundled.bundled_model_path(), model_id=bundled.MODEL_ID)
+    if os.path.isdir(model):
+        return HFCheckpoint(model)
+    if os.path.isfile(model):
+        if model.endswith(".gguf"):
+            return GGUFCheckpoint(model)
+        raise ValueError(f"--model {model} is a file but not a .gguf file; pass a GGUF file or an HF directory")
+    raise ValueError(f"--model {model}: no such file or directory (qwenserve loads local checkpoints only: an HF "
+                     "directory with config.json and *.safetensors, or a .gguf file)")
+
+
+class HFCheckpoint(Checkpoint):
+    def __init__(self, path: str, model_id: str | None = None):
+        config_path = os.path.join(path, "config.json")
+        if not os.path.isfile(config_path):
+            raise ValueError(f"{path} has no config.json, so it is not an HF checkpoint directory")
+        with open(config_path) as f:
+            config = ModelConfig.from_hf_dict(json.load(f))
+        gen_path = os.path.join(path, "generation_config.json")
+        generation = json.load(open(gen_path)) if os.path.isfile(gen_path) else {}
+        super().__init__(path, model_id or path, config,
+                         "HF Qwen2 names (model.layers.N.self_attn.q_proj.weight, ...) in *.safetensors", generation)
+        self.files = self._safetensors_files()
+
+    def _safetensors_files(self) -> list[str]:
+        index = os.path.join(self.path, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            with open(index) as f:
+                names = sorted(set(json.load(f)["weight_map"].values()))
+        else:
+            names = sorted(n for n in os.listdir(self.path) if n.endswith(".safetensors"))
+        if not names:
+            raise ValueError(f"{self.path} has no *.safetensors weights")
+        missing = [n for n in names if not os.path.isfile(os.path.join(self.path, n))]
+        if missing:
+            raise ValueError(f"{self.path}: weight files listed in the index are missing: {', '.join(missing)}")
+        return [os.path.join(self.path, n) for n in names]
+
+    def weights(self):
+        from safetensors import safe_open
+        for file in self.files:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+
+    def tokenizer(self):
+        return load_hf_tokenizer(self.path)
+
+
+# GGUF tensor names (llama.cpp) -> HF Qwen2 names
+_GGUF_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+_GGUF_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                      "output.weight": "lm_head.weight"}
+_GGUF_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def gguf_to_hf_name(name: str) -> str:
+    """blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight; unknown names are returned unchanged."""
+    if name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[name]
+    m = _GGUF_LAYER_RE.match(name)
+    if m and m.group(2) in _GGUF_LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return name
+
+
+def config_from_gguf(md: dict) -> ModelConfig:
+    arch = md.get("general.architecture")
+    if arch != "qwen2":
+        raise ConfigError(f"GGUF general.architecture is {arch!r}; qwenserve serves 'qwen2' models")
+
+    def need(key: str):
+        if f"qwen2.{key}" not in md:
+            raise ConfigError(f"GGUF metadata lacks qwen2.{key}")
+        return md[f"qwen2.{key}"]
+
+    heads = need("attention.head_count")
+    scaling = None
+    kind = md.get("qwen2.rope.scaling.type")
+    if kind and kind != "none":
+        scaling = {"rope_type": kind, "factor": md.get("qwen2.rope.scaling.factor")}
+        optional = {"original_context_length": "original_max_position_embeddings",
+                    "yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow"}
+        for gguf_key, hf_key in optional.items():
+            if f"qwen2.rope.scaling.{gguf_key}" in md:
+                scaling[hf_key] = md[f"qwen2.rope.scaling.{gguf_key}"]
+    tokens = md.get("tokenizer.ggml.tokens")
+    return ModelConfig(
+        vocab_size=len(tokens) if tokens else need("vocab_size"),
+        hidden_size=need("embedding_length"),
+        intermediate_size=need("feed_forward_length"),
+        num_hidden_layers=need("block_count"),
+        num_attention_heads=heads,
+        num_key_value_heads=md.get("qwen2.attention.head_count_kv", heads),
+        max_position_embeddings=need("context_length"),
+        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(md.get("qwen2.rope.freq_base", 1_000_000.0)),
+        rope_scaling=scaling,
+        tie_word_embeddings=False,  # decided by the tensors present, see GGUFCheckpoint
+        torch_dtype="bfloat16",
+        bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=md.get("tokenizer.ggml.eos_token_id"),
+    )
+
+
+class GGUFCheckpoint(Checkpoint):
+    def __init__(self, path: str, model_id: str | None = None):
+        self.file = GGUFFile(path)
+        config = config_from_gguf(self.file.metadata)
+        if "output.weight" not in self.file.tensors:  # no separate LM head: it is the embedding
+            config = dataclasses.replace(config, tie_word_embeddings=True)
+        generation = {"eos_token_id": config.eos_token_id} if config.eos_token_id is not None else {}
+        super().__init__(path, model_id or os.path.basename(path), config,
+                         "llama.cpp GGUF names (blk.N.attn_q.weight, ...)", generation)
+
+    def weights(self):
+        for info in self.file.tensors.values():
+            yield gguf_to_hf_name(info.name), dequantize(self.file.raw(info.name), info.ggml_type, info.shape)
+
+    def tokenizer(self):
+        return tokenizer_from_gguf(self.file.metadata)

@@ -1,0 +1,162 @@
+"""Build the model for a checkpoint and fill its parameters, each through its own weight_loader."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from qwenserve.config.model_config import resolve_dtype
+from qwenserve.model.layers.linear import LinearMethod
+from qwenserve.model.loader.checkpoint import Checkpoint, open_checkpoint
+from qwenserve.model.models.qwen2 import Qwen2ForCausalLM
+from qwenserve.model.parallel import TensorParallel
+
+logger = logging.getLogger(__name__)
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class WeightLoadError(ValueError):
+    pass
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def load_model(checkpoint: Checkpoint, dtype: torch.dtype, max_model_len: int,
+               tp: TensorParallel = TensorParallel(), device: str | torch.device = "cpu",
+               linear_method: LinearMethod | None = None) -> Qwen2ForCausalLM:
+    start = time.perf_counter()
+    with _default_dtype(dtype), torch.device(device):
+        model = Qwen2ForCausalLM(checkpoint.config, max_model_len, tp, linear_method)
+    attn = model.model.layers[0].self_attn
+    logger.info("tensor-parallel rank %d of %d: %d query heads, %d kv heads", tp.rank, tp.size, attn.num_heads,
+                attn.num_kv_heads)
+    load_weights(model, checkpoint.weights(), checkpoint.naming)
+    model.process_weights_after_loading()
+    logger.info("loaded %s weights in %.1f s", checkpoint.path, time.perf_counter() - start)
+    return model.eval()
+
+
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], naming: str) -> None:
+    """Copy checkpoint tensors (HF names) into the model; raise listing every missing and unexpected tensor."""
+    params = dict(model.named_parameters())  # a tied LM head appears once, as the embedding
+    packed = getattr(model, "packed_modules_mapping", {})
+    tied = "lm_head.weight" not in params
+    loaded: set[tuple[str, object]] = set()
+    unexpected: list[str] = []
+    for name, tensor in weights:
+        if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+            continue
+        target, shard = name, None
+        for ckpt_part, (fused, shard_id) in packed.items():
+            if f".{ckpt_part}." in name:
+                target, shard = name.replace(f".{ckpt_part}.", f".{fused}."), shard_id
+                break
+        param = params.get(target)
+        if param is None:
+            unexpected.append(name)
+            continue
+        with torch.no_grad():
+            if shard is None:
+                param.weight_loader(param, tensor) if hasattr(param, "weight_loader") else _copy(param, tensor, name)
+            else:
+                param.weight_loader(param, tensor, shard)
+        loaded.add((target, shard))
+
+    missing = [ckpt for key, ckpt in _expected(params, packed) if key not in loaded]
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing tensors: {_summarize(missing)}")
+        if unexpected:
+            parts.append(f"unexpected tensors: {_summarize(unexpected)}")
+        raise WeightLoadError(f"checkpoint does not match the Qwen2 model ({'; '.join(parts)}); "
+                              f"expected {naming}")
+
+
+def _copy(param: nn.Parameter, tensor: torch.Tensor, name: str) -> None:
+    if param.shape != tensor.shape:
+        raise WeightLoadError(f"{name}: checkpoint tensor has shape {tuple(tensor.shape)}, "
+                              f"the model expects {tuple(param.shape)}")
+    param.data.copy_(tensor)
+
+
+def _expected(params: dict, packed: dict) -> list[tuple[tuple[str, object], str]]:
+    """((parameter, shard), checkpoint name) for every tensor a complete checkpoint provides."""
+    out = []
+    for pname in params:
+        shards = [(ckpt, shard) for ckpt, (fused, shard) in packed.items() if f".{fused}." in pname]
+        if shards:
+            fused = next(f for f, _ in packed.values() if f".{f}." in pname)
+            out += [((pname, shard), pname.replace(f".{fused}.", f".{ckpt}.")) for ckpt, shard in shards]
+        else:
+            out.append(((pname, None), pname))
+    return out
+
+
+def _summarize(names: list[str], limit: int = 12) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What to run, resolved once from the engine settings: the checkpoint, the run dtype, the context length."""
+    checkpoint: Checkpoint
+    dtype: torch.dtype
+    max_model_len: int
+
+    @classmethod
+    def resolve(cls, model: str | None = None, dtype: str | torch.dtype | None = "auto",
+                max_model_len: int | None = None) -> ModelSpec:
+        checkpoint = open_checkpoint(model)
+        spec = cls(checkpoint, resolve_dtype(dtype, checkpoint.config),
+                   checkpoint.config.resolve_max_model_len(max_model_len))
+        checkpoint.config.log_shape(spec.dtype, spec.max_model_len)
+        return spec
+
+    def stop_token_ids(self, tokenizer) -> set[int]:
+        """EOS ids from generation_config, the config and the tokenizer."""
+        ids: set[int] = set()
+        for value in (self.checkpoint.generation_config.get("eos_token_id"), self.checkpoint.config.eos_token_id,
+                      tokenizer.eos_token_id):
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, list):
+                ids.update(v for v in value if isinstance(v, int))
+        return ids
+
+    def load_model(self, device: str | torch.device = "cpu", tp: TensorParallel = TensorParallel(),
+                   linear_method: LinearMethod | None = None) -> Qwen2ForCausalLM:
+        return load_model(self.checkpoint, self.dtype, self.max_model_len, tp, device, linear_method)
+
+
+class LoadedModel:
+    """A checkpoint made ready to run in this process, model and tokenizer (for tools and tests; the engine
+    splits the two between its worker and its input/output processing)."""
+
+    def __init__(self, model: str | None = None, dtype: str | torch.dtype | None = "auto",
+                 max_model_len: int | None = None, device: str = "cpu"):
+        start = time.perf_counter()
+        self.spec = ModelSpec.resolve(model, dtype, max_model_len)
+        self.checkpoint, self.config = self.spec.checkpoint, self.spec.checkpoint.config
+        self.dtype, self.max_model_len = self.spec.dtype, self.spec.max_model_len
+        self.tokenizer = self.checkpoint.tokenizer()
+        self.model = self.spec.load_model(device)
+        self.load_seconds = time.perf_counter() - start
+
+    @property
+    def model_id(self) -> str:
+        return self.checkpoint.model_id

@@ -1,0 +1,122 @@
+"""Greedy decoding in HF transformers and in qwenserve on the same weights and token ids (float32), and
+where they part: first diverging token and the largest logit difference over the steps both saw."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+
+import torch
+
+DEFAULT_PROMPTS = [
+    "The three primary colors are",
+    "长城是中国古代的军事防御工程，它",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    {"messages": [{"role": "user", "content": "Write a Python function that reverses a string."}]},
+]
+
+
+@dataclass
+class PromptComparison:
+    prompt: str
+    equal: bool
+    first_divergence: int | None  # index into the generated tokens, None when equal
+    max_logit_diff: float  # over the steps up to and including the first divergence
+    steps_compared: int
+    hf_tokens: list[int]
+    qwenserve_tokens: list[int]
+
+
+def load_prompts(path: str | None) -> list:
+    """A JSON list (strings, or {"messages": [...]} for chat) or a text file with one prompt per line."""
+    if path is None:
+        return list(DEFAULT_PROMPTS)
+    with open(path) as f:
+        text = f.read()
+    if path.endswith(".json"):
+        prompts = json.loads(text)
+        if not isinstance(prompts, list) or not all(isinstance(p, (str, dict)) for p in prompts):
+            raise ValueError(f"{path}: expected a JSON list of strings or {{\"messages\": [...]}} objects")
+        return prompts
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def prompt_ids(tokenizer, prompt) -> tuple[str, list[int]]:
+    from qwenserve.model.loader.tokenizer import chat_prompt_ids
+    if isinstance(prompt, dict):
+        if "messages" not in prompt:
+            raise ValueError(f"prompt object without 'messages': {prompt}")
+        return json.dumps(prompt["messages"], ensure_ascii=False), chat_prompt_ids(tokenizer, prompt["messages"])
+    return prompt, tokenizer.encode(prompt, add_special_tokens=False)
+
+
+def load_hf_model(path: str):
+    """HF transformers' own Qwen2 in float32 on the same file qwenserve reads."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
+    if path.endswith(".gguf"):
+        directory, name = os.path.split(os.path.abspath(path))
+        return AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@torch.inference_mode()
+def hf_greedy(hf_model, ids: list[int], max_tokens: int, stop_ids: set[int]) -> tuple[list[int], list[torch.Tensor]]:
+    out = hf_model(input_ids=torch.tensor([ids]), use_cache=True)
+    tokens, logits = [], []
+    while True:
+        step = out.logits[0, -1].float()
+        logits.append(step)
+        token = int(step.argmax())
+        tokens.append(token)
+        if token in stop_ids or len(tokens) == max_tokens:
+            return tokens, logits
+        # transformers 5 names the KV cache `cache` (it was `past_key_values`)
+        out = hf_model(input_ids=torch.tensor([[token]]), cache=out.cache, use_cache=True)
+
+
+def compare_one(prompt_text: str, hf_tokens, hf_logits, qs_tokens, qs_logits) -> PromptComparison:
+    divergence = next((i for i, (a, b) in enumerate(zip(hf_tokens, qs_tokens)) if a != b), None)
+    if divergence is None and len(hf_tokens) != len(qs_tokens):
+        divergence = min(len(hf_tokens), len(qs_tokens))
+    steps = min(len(hf_logits), len(qs_logits)) if divergence is None else min(divergence + 1, len(hf_logits), len(qs_logits))
+    diff = max((float((a - b).abs().max()) for a, b in zip(hf_logits[:steps], qs_logits[:steps])), default=0.0)
+    return PromptComparison(prompt_text, divergence is None, divergence, diff, steps, hf_tokens, qs_tokens)
+
+
+def run_compare(model: str | None, prompts: list, max_tokens: int) -> list[PromptComparison]:
+    """Each prompt alone through the engine (greedy, float32, logits recorded) and through HF transformers."""
+    from qwenserve.config.engine_config import EngineConfig
+    from qwenserve.engine.llm_engine import LLMEngine
+    from qwenserve.sample.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig.from_kwargs(model=model, dtype="float32", kv_cache_memory="1GiB",
+                                                record_logits=True))
+    hf_model = load_hf_model(engine.spec.checkpoint.path)
+    results = []
+    for i, prompt in enumerate(prompts):
+        text, ids = prompt_ids(engine.tokenizer, prompt)
+        hf_tokens, hf_logits = hf_greedy(hf_model, ids, max_tokens, set(engine.input_processor.eos_token_ids))
+        engine.add_request(f"compare-{i}", {"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+        final = None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                final = out
+        ours = final.outputs[0]
+        results.append(compare_one(text, hf_tokens, hf_logits, ours.token_ids, ours.logits))
+    return results
+
+
+def format_table(results: list[PromptComparison]) -> str:
+    lines = [f"{'equal':<6} {'first diff':>10} {'max |dlogit|':>13} {'steps':>5}  prompt"]
+    for r in results:
+        first = "-" if r.first_divergence is None else str(r.first_divergence)
+        lines.append(f"{str(r.equal):<6} {first:>10} {r.max_logit_diff:>13.2e} {r.steps_compared:>5}  "
+                     f"{r.prompt[:60]!r}")
+    return "\n".join(lines)
+
+
+def results_json(results: list[PromptComparison]) -> str:
+    return json.dumps({"all_equal": all(r.equal for r in results), "prompts": [asdict(r) for r in results]},
+                      ensure_ascii=False)

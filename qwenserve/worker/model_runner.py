@@ -1,0 +1,72 @@
+"""Runs one scheduled step: the flat batch through the model, logits only for the rows that need them (the
+last position of each sequence that takes a token, plus the prompt positions of a request that asked for
+prompt logprobs), then sampling. What leaves is a ModelRunnerOutput: token ids and requested logprobs."""
+from __future__ import annotations
+
+import torch
+
+from qwenserve.core.step import ModelRunnerOutput, SchedulerOutput
+from qwenserve.model.layers.attention import AttentionMetadata, PagedKVCache, PrefillSpan, decode_kernel_available
+from qwenserve.model.models.qwen2 import Qwen2ForCausalLM
+from qwenserve.sample.logprobs import top_logprobs
+from qwenserve.sample.sampler import Sampler
+from qwenserve.worker.input_batch import InputBatch, PromptChunk
+
+
+@torch.inference_mode()
+def full_logits(model: Qwen2ForCausalLM, token_ids: list[int]) -> torch.Tensor:
+    """Logits at every position of one sequence ([T, vocab], float32) from a single prefill, with a cache of
+    its own: for scoring, validation and tests."""
+    device = model.device
+    attn = model.model.layers[0].self_attn
+    n, block = len(token_ids), 16
+    cache = PagedKVCache(len(model.model.layers), -(-n // block), block, attn.num_kv_heads, attn.head_dim,
+                         model.dtype, device)
+    positions = torch.arange(n, device=device)
+    metadata = AttentionMetadata(cache, positions, [], [PrefillSpan(0, n, None, n)])
+    hidden = model(torch.tensor(token_ids, device=device), positions, metadata)
+    return model.compute_logits(hidden).float()
+
+
+class ModelRunner:
+    def __init__(self, model: Qwen2ForCausalLM, kv_cache: PagedKVCache, device: torch.device | str = "cpu",
+                 record_logits: bool = False):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = torch.device(device)
+        self.input_batch = InputBatch(kv_cache.block_size, self.device, decode_kernel_available(self.device))
+        # sampling runs on the host: per-request generators and small per-row ops (logits are copied there)
+        self.sampler = Sampler("cpu")
+        self.record_logits = record_logits
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.input_batch.update(scheduler_output)
+        inputs = self.input_batch.prepare(scheduler_output, self.kv_cache)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        out = ModelRunnerOutput()
+        if inputs.sampling_seqs:
+            logits = self.model.compute_logits(hidden[inputs.sample_rows]).cpu()
+            sampled = self.sampler(logits, inputs.sampling_seqs)
+            for seq, token in zip(inputs.sampling_seqs, sampled.token_ids):
+                seq.token_ids.append(token)
+            out.seq_ids = [seq.seq_id for seq in inputs.sampling_seqs]
+            out.sampled_token_ids = sampled.token_ids
+            out.logprobs = sampled.logprobs
+            if self.record_logits:
+                out.logits = list(logits.float())
+        for chunk in inputs.prompt_chunks:
+            out.prompt_logprobs[chunk.seq.seq_id] = (chunk.first_position + 1, self._prompt_logprobs(hidden, chunk))
+        return out
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, chunk: PromptChunk) -> list:
+        """Entries for the prompt tokens this chunk predicts: row i predicts the token at first_position + i + 1
+        (the chunk's last row may predict the first output token, which is not a prompt logprob)."""
+        seq = chunk.seq
+        targets = seq.token_ids[chunk.first_position + 1:min(chunk.first_position + 1 + chunk.num_rows,
+                                                             seq.num_prompt_tokens)]
+        if not targets:
+            return []
+        rows = hidden[chunk.first_row:chunk.first_row + len(targets)]
+        logprobs = torch.log_softmax(self.model.compute_logits(rows).float().cpu(), dim=-1)
+        return top_logprobs(logprobs, torch.tensor(targets), seq.params.prompt_logprobs)
