@@ -111,11 +111,15 @@ def hf_to_gguf_name(name: str) -> str:
     return f"blk.{layer}.{_LAYER[module]}.{kind}"
 
 
-def save_gguf(model, path: str, quant: str = "Q8_0") -> str:
-    """Write `model` as a qwen2 GGUF: 2-D weights quantized to `quant`, 1-D tensors in F32."""
+def save_gguf(model, path: str, quant: str = "Q8_0", overrides: dict[str, str] | None = None) -> str:
+    """Write `model` as a qwen2 GGUF: 2-D weights quantized to `quant` (or to overrides[part] for a tensor
+    whose HF name contains `part`, as llama.cpp's Q4_K_M mixes types), 1-D tensors in F32."""
     import gguf
     cfg = model.config
-    qtype = gguf.GGMLQuantizationType[quant]
+
+    def qtype(name: str):
+        part = next((p for p in (overrides or {}) if p in name), None)
+        return gguf.GGMLQuantizationType[overrides[part] if part else quant]
     w = gguf.GGUFWriter(path, "qwen2")
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
@@ -141,7 +145,8 @@ def save_gguf(model, path: str, quant: str = "Q8_0") -> str:
             continue
         data = tensor.float().numpy()
         if data.ndim == 2:
-            w.add_tensor(hf_to_gguf_name(name), gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+            t = qtype(name)
+            w.add_tensor(hf_to_gguf_name(name), gguf.quants.quantize(data, t), raw_dtype=t)
         else:
             w.add_tensor(hf_to_gguf_name(name), np.ascontiguousarray(data, dtype=np.float32))
     w.write_header_to_file()

@@ -118,7 +118,7 @@ def test_bundled_model_batched_engine_equals_each_alone_and_bf16_agrees():
     from qwenserve.tools.compare import DEFAULT_PROMPTS, prompt_ids
     from qwenserve.worker.model_runner import full_logits
 
-    llm = LLM(None, dtype="float32", kv_cache_memory="512MiB")
+    llm = LLM(None, dtype="float32", quantization="none", kv_cache_memory="512MiB")
     tok = llm.get_tokenizer()
     ids = [prompt_ids(tok, p)[1] for p in DEFAULT_PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -129,6 +129,25 @@ def test_bundled_model_batched_engine_equals_each_alone_and_bf16_agrees():
     sequence = ids[2] + batched[2]
     f32 = full_logits(llm.engine.executor.worker.model, sequence).argmax(-1)
     del llm
-    bf16 = LLM(None, dtype="bfloat16", kv_cache_memory="256MiB")
+    bf16 = LLM(None, dtype="bfloat16", quantization="none", kv_cache_memory="256MiB")
     b16 = full_logits(bf16.engine.executor.worker.model, sequence).argmax(-1)
     assert (f32 == b16).float().mean() >= 0.9
+
+
+@pytest.mark.slow
+def test_bundled_gguf_blocks_agree_with_the_exact_path():
+    """The default path for the bundled file (its Q5_0/Q8_0/Q4_K/Q6_K blocks run by our kernels, bf16
+    activations) picks the exact float32 path's next token at >= 90% of the compare prompts' positions."""
+    from qwenserve.model.loader.model_loader import LoadedModel
+    from qwenserve.tools.compare import DEFAULT_PROMPTS, prompt_ids
+    from qwenserve.worker.model_runner import full_logits
+
+    quantized = LoadedModel(None, dtype="bfloat16", quantization="gguf")
+    exact = LoadedModel(None, dtype="float32", quantization="none")
+    agree = total = 0
+    for prompt in DEFAULT_PROMPTS:
+        ids = prompt_ids(exact.tokenizer, prompt)[1]
+        want = full_logits(exact.model, ids).argmax(-1)
+        got = full_logits(quantized.model, ids).argmax(-1)
+        agree, total = agree + int((got == want).sum()), total + len(ids)
+    assert agree / total >= 0.9, f"{agree}/{total} next-token choices agree"

@@ -47,6 +47,9 @@ class LoadConfig:
     max_model_len: int | None = setting(None, "longest prompt + output in tokens "
                                               "(default: the model's max_position_embeddings)", type=int)
     device: str = setting("cpu", "torch device to run on: cpu or cuda[:N] (default: %(default)s)")
+    quantization: str | None = setting(None, "how weights are held: none (dense, in dtype) or gguf (a GGUF file's "
+                                             "quantized blocks, run by our CPU kernels); default: gguf for a "
+                                             ".gguf file, else none")
 
 
 @dataclass(frozen=True)

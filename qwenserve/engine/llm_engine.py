@@ -26,7 +26,8 @@ GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.spec = ModelSpec.resolve(config.load.model, config.load.dtype, config.load.max_model_len)
+        load = config.load
+        self.spec = ModelSpec.resolve(load.model, load.dtype, load.max_model_len, load.quantization)
         checkpoint = self.spec.checkpoint
         self.model_id = checkpoint.model_id
         self.max_model_len = self.spec.max_model_len

@@ -91,8 +91,9 @@ def run_compare(model: str | None, prompts: list, max_tokens: int) -> list[Promp
     from qwenserve.engine.llm_engine import LLMEngine
     from qwenserve.sample.sampling_params import SamplingParams
 
-    engine = LLMEngine(EngineConfig.from_kwargs(model=model, dtype="float32", kv_cache_memory="1GiB",
-                                                record_logits=True))
+    # the exact path (weights dequantized to float32) is what must equal HF
+    engine = LLMEngine(EngineConfig.from_kwargs(model=model, dtype="float32", quantization="none",
+                                                kv_cache_memory="1GiB", record_logits=True))
     hf_model = load_hf_model(engine.spec.checkpoint.path)
     results = []
     for i, prompt in enumerate(prompts):

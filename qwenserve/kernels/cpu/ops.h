@@ -1,7 +1,7 @@
 // The op entry points, one definition each in the op family's source file (norm.cpp, rotary.cpp,
-// activation.cpp, attention.cpp, sampling.cpp), declared here so register.cpp can bind them to the schemas of
-// torch.ops.qwenserve in one place. Each checks its arguments and dispatches on the dtype (float32, float64,
-// bfloat16, float16); the shapes each expects are documented at its definition.
+// activation.cpp, attention.cpp, sampling.cpp, ggml_quants.cpp), declared here so register.cpp can bind them to
+// the schemas of torch.ops.qwenserve in one place. Each checks its arguments and dispatches on the dtype (float32,
+// float64, bfloat16, float16); the shapes each expects are documented at its definition.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -21,5 +21,8 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
                             const at::Tensor& block_tables, const at::Tensor& context_lens, double scale);
 // sampling.cpp
 at::Tensor argmax_rows(const at::Tensor& logits);
+// ggml_quants.cpp (ggml types: Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14)
+at::Tensor ggml_dequantize(const at::Tensor& raw, int64_t ggml_type, int64_t cols, at::ScalarType dtype);
+void ggml_mm(at::Tensor& out, const at::Tensor& x, const at::Tensor& raw, int64_t ggml_type);
 
 }  // namespace qwenserve::cpu

@@ -16,6 +16,9 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_size = vocab_size
         self.shard_size = -(-vocab_size // tp.size)  # ceil: the last shard may be padded
         self.start = tp.rank * self.shard_size
+        self._create_weight(hidden_size)
+
+    def _create_weight(self, hidden_size: int) -> None:
         self.weight = nn.Parameter(torch.zeros(self.shard_size, hidden_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
@@ -37,16 +40,29 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     """Hidden states -> logits over the full vocabulary (each rank computes its slice, then gather). Its
-    matmul is a linear method's, like any linear layer's; a tied head shares its weight with the embedding."""
+    matmul is a linear method's, like any linear layer's (its weight too, so a quantized head stays quantized);
+    a tied head shares the embedding's dense weight instead."""
 
     def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel = TensorParallel(),
                  linear_method: LinearMethod | None = None):
-        super().__init__(vocab_size, hidden_size, tp)
         self.linear_method = linear_method or UnquantizedLinearMethod()
-        self.packed_weight = None
+        super().__init__(vocab_size, hidden_size, tp)
         self.weight_is_shared = False
 
+    def _create_weight(self, hidden_size: int) -> None:
+        self.input_size, self.output_size = hidden_size, self.shard_size
+        self.linear_method.create_weights(self, hidden_size, self.shard_size)
+
+    def output_shard(self, shard_id=None) -> tuple[int, int, int]:
+        """This rank's vocabulary rows (the last shard may be padded: its padding rows are never loaded)."""
+        return 0, min(self.shard_size, self.vocab_size - self.start), self.start
+
+    def input_shard(self) -> tuple[int, int]:
+        return 0, self.input_size
+
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
+        if not isinstance(self.linear_method, UnquantizedLinearMethod):
+            raise ValueError("a tied LM head shares the embedding's dense weight; it cannot take a quantized method")
         self.weight = embedding.weight
         self.weight_is_shared = True  # the embedding lookup still reads the plain weight
 

@@ -65,10 +65,14 @@ def _check_shape(param: nn.Parameter, loaded: torch.Tensor, what: str) -> None:
 
 
 class _ParallelLinear(nn.Module):
+    """A linear layer holding this rank's part of the weight: rows [output_shard] of the checkpoint's output
+    dimension (column-parallel) and columns [input_shard] of its input dimension (row-parallel)."""
+
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel,
                  linear_method: LinearMethod | None):
         super().__init__()
         self.tp = tp
+        self.input_size, self.output_size = in_features, out_features  # this rank's
         self.linear_method = linear_method or UnquantizedLinearMethod()
         self.linear_method.create_weights(self, in_features, out_features)
         if bias:
@@ -76,6 +80,23 @@ class _ParallelLinear(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+
+    def output_shard(self, shard_id=None) -> tuple[int, int, int]:
+        """(offset in this rank's output, rows, first row in the checkpoint tensor) of a (fused) shard."""
+        return 0, self.output_size, 0
+
+    def input_shard(self) -> tuple[int, int]:
+        """(first column in the checkpoint tensor, columns) of this rank's input."""
+        return 0, self.input_size
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        """Copy this rank's part of a checkpoint tensor (weight or bias) into param."""
+        offset, size, start = self.output_shard(shard_id)
+        target, loaded = param.data.narrow(0, offset, size), loaded.narrow(0, start, size)
+        if param.dim() == 2:
+            loaded = loaded.narrow(1, *self.input_shard())
+        _check_shape(target, loaded, type(self).__name__ + ("" if shard_id is None else f" shard {shard_id}"))
+        target.copy_(loaded)
 
     def process_weights_after_loading(self) -> None:
         self.linear_method.process_weights_after_loading(self)
@@ -93,11 +114,8 @@ class ColumnParallelLinear(_ParallelLinear):
             raise ValueError(f"output size {out_features} is not divisible by tensor_parallel_size {tp.size}")
         super().__init__(in_features, out_features // tp.size, bias, tp, linear_method)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        rows = param.shape[0]
-        loaded = loaded.narrow(0, self.tp.rank * rows, rows)
-        _check_shape(param, loaded, type(self).__name__)
-        param.data.copy_(loaded)
+    def output_shard(self, shard_id=None) -> tuple[int, int, int]:
+        return 0, self.output_size, self.tp.rank * self.output_size
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -108,13 +126,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = output_sizes
         super().__init__(in_features, sum(output_sizes), bias, tp, linear_method)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+    def output_shard(self, shard_id: int) -> tuple[int, int, int]:
         size = self.output_sizes[shard_id] // self.tp.size
-        offset = sum(self.output_sizes[:shard_id]) // self.tp.size
-        loaded = loaded.narrow(0, self.tp.rank * size, size)
-        target = param.data.narrow(0, offset, size)
-        _check_shape(target, loaded, f"{type(self).__name__} shard {shard_id}")
-        target.copy_(loaded)
+        return sum(self.output_sizes[:shard_id]) // self.tp.size, size, self.tp.rank * size
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -128,19 +142,13 @@ class QKVParallelLinear(ColumnParallelLinear):
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
         _ParallelLinear.__init__(self, hidden_size, out, bias, tp, linear_method)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+    def output_shard(self, shard_id: str) -> tuple[int, int, int]:
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if shard_id == "q":
-            offset, size, start = 0, q, self.tp.rank * q
-        elif shard_id in ("k", "v"):
-            offset = q if shard_id == "k" else q + kv
-            size, start = kv, self.first_kv_head * self.head_dim
-        else:
-            raise ValueError(f"unknown qkv shard {shard_id!r}")
-        target = param.data.narrow(0, offset, size)
-        loaded = loaded.narrow(0, start, size)
-        _check_shape(target, loaded, f"{type(self).__name__} shard {shard_id}")
-        target.copy_(loaded)
+            return 0, q, self.tp.rank * q
+        if shard_id in ("k", "v"):
+            return q if shard_id == "k" else q + kv, kv, self.first_kv_head * self.head_dim
+        raise ValueError(f"unknown qkv shard {shard_id!r}")
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -152,12 +160,8 @@ class RowParallelLinear(_ParallelLinear):
             raise ValueError(f"input size {in_features} is not divisible by tensor_parallel_size {tp.size}")
         super().__init__(in_features // tp.size, out_features, bias, tp, linear_method)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        if param.dim() == 2:
-            cols = param.shape[1]
-            loaded = loaded.narrow(1, self.tp.rank * cols, cols)
-        _check_shape(param, loaded, type(self).__name__)
-        param.data.copy_(loaded)
+    def input_shard(self) -> tuple[int, int]:
+        return self.tp.rank * self.input_size, self.input_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the bias is added once, after the reduction

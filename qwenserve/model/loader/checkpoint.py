@@ -6,18 +6,26 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+from gguf import GGMLQuantizationType
 
-from qwenserve.config.model_config import ConfigError, ModelConfig
+from qwenserve.config.errors import ConfigError
+from qwenserve.config.model_config import ModelConfig
 from qwenserve.model.loader import bundled
 from qwenserve.model.loader.dequant import dequantize
+from qwenserve.model.loader.ggml_tensor import GGMLTensor
 from qwenserve.model.loader.gguf_file import GGUFFile
 from qwenserve.model.loader.tokenizer import load_hf_tokenizer, tokenizer_from_gguf
+
+
+logger = logging.getLogger(__name__)
+_FLOAT_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16})
 
 
 @dataclass
@@ -28,7 +36,11 @@ class Checkpoint:
     naming: str  # how its tensors are named, for error messages
     generation_config: dict = field(default_factory=dict)
 
-    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    # how the checkpoint's weights are stored: "none" (dense) or the quantization they need ("gguf", ...)
+    native_quantization = "none"
+
+    def weights(self, keep_types: frozenset = frozenset()) -> Iterator[tuple[str, torch.Tensor | GGMLTensor]]:
+        """(HF name, tensor) for every weight; GGUF tensors of a type in keep_types come as their blocks."""
         raise NotImplementedError
 
     def tokenizer(self):
@@ -54,12 +66,15 @@ class HFCheckpoint(Checkpoint):
         if not os.path.isfile(config_path):
             raise ValueError(f"{path} has no config.json, so it is not an HF checkpoint directory")
         with open(config_path) as f:
-            config = ModelConfig.from_hf_dict(json.load(f))
+            raw_config = json.load(f)
+        config = ModelConfig.from_hf_dict(raw_config)
         gen_path = os.path.join(path, "generation_config.json")
         generation = json.load(open(gen_path)) if os.path.isfile(gen_path) else {}
         super().__init__(path, model_id or path, config,
                          "HF Qwen2 names (model.layers.N.self_attn.q_proj.weight, ...) in *.safetensors", generation)
         self.files = self._safetensors_files()
+        quantization = raw_config.get("quantization_config") or {}
+        self.native_quantization = str(quantization.get("quant_method", "none")).lower()
 
     def _safetensors_files(self) -> list[str]:
         index = os.path.join(self.path, "model.safetensors.index.json")
@@ -75,7 +90,7 @@ class HFCheckpoint(Checkpoint):
             raise ValueError(f"{self.path}: weight files listed in the index are missing: {', '.join(missing)}")
         return [os.path.join(self.path, n) for n in names]
 
-    def weights(self):
+    def weights(self, keep_types: frozenset = frozenset()):
         from safetensors import safe_open
         for file in self.files:
             with safe_open(file, framework="pt") as f:
@@ -156,9 +171,18 @@ class GGUFCheckpoint(Checkpoint):
         super().__init__(path, model_id or os.path.basename(path), config,
                          "llama.cpp GGUF names (blk.N.attn_q.weight, ...)", generation)
 
-    def weights(self):
+    native_quantization = "gguf"
+
+    def weights(self, keep_types: frozenset = frozenset()):
         for info in self.file.tensors.values():
-            yield gguf_to_hf_name(info.name), dequantize(self.file.raw(info.name), info.ggml_type, info.shape)
+            name, raw = gguf_to_hf_name(info.name), self.file.raw(info.name)
+            if info.ggml_type in keep_types and len(info.shape) == 2:
+                yield name, GGMLTensor.from_bytes(torch.from_numpy(raw), info.ggml_type, info.shape)
+                continue
+            if keep_types and info.ggml_type not in _FLOAT_TYPES and len(info.shape) == 2:
+                logger.info("%s is %s, which our kernels do not run: dequantized at load", info.name,
+                            info.ggml_type.name)
+            yield name, dequantize(raw, info.ggml_type, info.shape)
 
     def tokenizer(self):
         return tokenizer_from_gguf(self.file.metadata)

@@ -10,9 +10,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from qwenserve.config.errors import ConfigError
 from qwenserve.config.model_config import resolve_dtype
 from qwenserve.model.layers.linear import LinearMethod
+from qwenserve.model.layers.quantization.gguf import KERNEL_TYPES, GGUFLinearMethod
 from qwenserve.model.loader.checkpoint import Checkpoint, open_checkpoint
+from qwenserve.model.loader.ggml_tensor import GGMLTensor
 from qwenserve.model.models.qwen2 import Qwen2ForCausalLM
 from qwenserve.model.parallel import TensorParallel
 
@@ -36,14 +39,16 @@ def _default_dtype(dtype: torch.dtype):
 
 def load_model(checkpoint: Checkpoint, dtype: torch.dtype, max_model_len: int,
                tp: TensorParallel = TensorParallel(), device: str | torch.device = "cpu",
-               linear_method: LinearMethod | None = None) -> Qwen2ForCausalLM:
+               linear_method: LinearMethod | None = None, keep_types: frozenset = frozenset()) -> Qwen2ForCausalLM:
+    """The model with its weights loaded; GGUF tensors of a type in keep_types reach their parameters as blocks
+    (a linear method that runs them), others dequantized."""
     start = time.perf_counter()
     with _default_dtype(dtype), torch.device(device):
         model = Qwen2ForCausalLM(checkpoint.config, max_model_len, tp, linear_method)
     attn = model.model.layers[0].self_attn
     logger.info("tensor-parallel rank %d of %d: %d query heads, %d kv heads", tp.rank, tp.size, attn.num_heads,
                 attn.num_kv_heads)
-    load_weights(model, checkpoint.weights(), checkpoint.naming)
+    load_weights(model, checkpoint.weights(keep_types), checkpoint.naming)
     model.process_weights_after_loading()
     logger.info("loaded %s weights in %.1f s", checkpoint.path, time.perf_counter() - start)
     return model.eval()
@@ -68,6 +73,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
         if param is None:
             unexpected.append(name)
             continue
+        if isinstance(tensor, GGMLTensor) and not getattr(param, "takes_ggml_blocks", False):
+            tensor = tensor.dequantize()  # e.g. the embedding: looked up by row, kept dense
         with torch.no_grad():
             if shard is None:
                 param.weight_loader(param, tensor) if hasattr(param, "weight_loader") else _copy(param, tensor, name)
@@ -111,20 +118,41 @@ def _summarize(names: list[str], limit: int = 12) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
+QUANTIZATIONS = ("none", "gguf")
+
+
+def resolve_quantization(requested: str | None, checkpoint: Checkpoint) -> str:
+    """The quantization method to run: the one asked for, else the checkpoint's own (gguf for a GGUF file)."""
+    native = checkpoint.native_quantization
+    if native not in QUANTIZATIONS:
+        raise ConfigError(f"{checkpoint.path} holds {native!r}-quantized weights (quantization_config in "
+                          f"config.json), which qwenserve does not load yet; supported: {', '.join(QUANTIZATIONS)}")
+    choice = native if requested is None else str(requested).lower()
+    if choice not in QUANTIZATIONS:
+        raise ConfigError(f"quantization {requested!r} is not supported; use one of {', '.join(QUANTIZATIONS)}")
+    if choice == "gguf" and native != "gguf":
+        raise ConfigError(f"quantization gguf runs a GGUF file's blocks, but {checkpoint.path} is not a GGUF file")
+    return choice
+
+
 @dataclass(frozen=True)
 class ModelSpec:
-    """What to run, resolved once from the engine settings: the checkpoint, the run dtype, the context length."""
+    """What to run, resolved once from the engine settings: the checkpoint, the run dtype, the context length,
+    and how the weights are held (the quantization method)."""
     checkpoint: Checkpoint
     dtype: torch.dtype
     max_model_len: int
+    quantization: str = "none"
 
     @classmethod
     def resolve(cls, model: str | None = None, dtype: str | torch.dtype | None = "auto",
-                max_model_len: int | None = None) -> ModelSpec:
+                max_model_len: int | None = None, quantization: str | None = None) -> ModelSpec:
         checkpoint = open_checkpoint(model)
         spec = cls(checkpoint, resolve_dtype(dtype, checkpoint.config),
-                   checkpoint.config.resolve_max_model_len(max_model_len))
+                   checkpoint.config.resolve_max_model_len(max_model_len),
+                   resolve_quantization(quantization, checkpoint))
         checkpoint.config.log_shape(spec.dtype, spec.max_model_len)
+        logger.info("quantization: %s", spec.quantization)
         return spec
 
     def stop_token_ids(self, tokenizer) -> set[int]:
@@ -138,9 +166,11 @@ class ModelSpec:
                 ids.update(v for v in value if isinstance(v, int))
         return ids
 
-    def load_model(self, device: str | torch.device = "cpu", tp: TensorParallel = TensorParallel(),
-                   linear_method: LinearMethod | None = None) -> Qwen2ForCausalLM:
-        return load_model(self.checkpoint, self.dtype, self.max_model_len, tp, device, linear_method)
+    def load_model(self, device: str | torch.device = "cpu", tp: TensorParallel = TensorParallel()) -> Qwen2ForCausalLM:
+        if self.quantization == "gguf":
+            return load_model(self.checkpoint, self.dtype, self.max_model_len, tp, device, GGUFLinearMethod(),
+                              keep_types=KERNEL_TYPES)
+        return load_model(self.checkpoint, self.dtype, self.max_model_len, tp, device)
 
 
 class LoadedModel:
@@ -148,9 +178,9 @@ class LoadedModel:
     splits the two between its worker and its input/output processing)."""
 
     def __init__(self, model: str | None = None, dtype: str | torch.dtype | None = "auto",
-                 max_model_len: int | None = None, device: str = "cpu"):
+                 max_model_len: int | None = None, device: str = "cpu", quantization: str | None = "none"):
         start = time.perf_counter()
-        self.spec = ModelSpec.resolve(model, dtype, max_model_len)
+        self.spec = ModelSpec.resolve(model, dtype, max_model_len, quantization)
         self.checkpoint, self.config = self.spec.checkpoint, self.spec.checkpoint.config
         self.dtype, self.max_model_len = self.spec.dtype, self.spec.max_model_len
         self.tokenizer = self.checkpoint.tokenizer()

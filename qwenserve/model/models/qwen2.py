@@ -114,7 +114,9 @@ class Qwen2ForCausalLM(nn.Module):
         self.config = config
         self.dtype = torch.get_default_dtype()  # parameters are created in it (see model_loader)
         self.model = Qwen2Model(config, max_position, tp, linear_method)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, linear_method)
+        # a tied head reads the embedding's dense weight, so it keeps the dense method
+        head_method = None if config.tie_word_embeddings else linear_method
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, head_method)
         if config.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
 

@@ -1,0 +1,657 @@
+// Linear layers straight on ggml-quantized weights (ggml_mm) and ggml block decoding (ggml_dequantize), for
+// Q4_0, Q5_0, Q8_0 (blocks of 32) and Q4_K, Q5_K, Q6_K (super-blocks of 256).
+//
+// ggml_mm works as llama.cpp does on the CPU: every activation row is quantized once per call, to blocks of 32
+// int8 with one scale (q8_0, for the 32-blocks) or of 256 with one fp32 scale and sums of 16 (q8_K, for the
+// K-quants), exactly as ggml's reference quantizers; each (weight block, activation block) pair then gives an
+// exact integer dot product, which is scaled and accumulated in float. Weight codes stay unsigned (0..15, 0..31,
+// 0..63) and their offsets (-8, -16, -32, -dmin * min) are folded in through the activation block sums, so the
+// AVX2 path needs one _mm256_maddubs_epi16 (u8 x s8) per 32 weights; only Q8_0 weights are signed (sign trick).
+// The portable scalar path computes the same integer sum per block; the two differ only in float summation order.
+// Work is split over weight rows (each weight byte is read once per call: decode is memory-bound), and every
+// decoded weight block serves up to 4 activation rows.
+//
+// Block layouts (ggml-common.h; all fields little-endian, fp16 = IEEE half):
+//   Q4_0  18 B: d fp16, qs[16]: weight j = qs[j] & 15, weight j+16 = qs[j] >> 4;          x = d (q - 8)
+//   Q5_0  22 B: d, qh[4] (bit i of the LE uint32 = 5th bit of weight i), qs[16] as Q4_0;  x = d (q - 16)
+//   Q8_0  34 B: d, qs[32] int8;                                                          x = d q
+//   Q4_K 144 B: d, dmin, scales[12] (8 six-bit scales and mins), qs[128]: chunk c of 32 bytes holds sub-blocks
+//               2c (low nibbles) and 2c+1 (high nibbles);                  x = d sc[s] q - dmin m[s], s = i / 32
+//   Q5_K 176 B: d, dmin, scales[12], qh[32] (5th bit of weight 32 s + l = bit s of qh[l]), qs[128] as Q4_K
+//   Q6_K 210 B: ql[128], qh[64], scales[16] int8, d: per half h of 128 weights, l < 32, n = 128 h:
+//               w[n+l], w[n+l+32], w[n+l+64], w[n+l+96] = low / low / high / high nibble of ql[64h+l],
+//               ql[64h+32+l], ql[64h+l], ql[64h+32+l], each | 2 bits (0, 2, 4, 6) of qh[32h+l] << 4;
+//                                                                          x = d scales[i / 16] (q - 32)
+// ggml_dequantize reproduces qwenserve/model/loader/dequant.py bit for bit: every product there is exact in
+// float32 (an fp16 mantissa times integers of at most 13 bits), so only the K-quants' final subtraction rounds.
+
+#include <ATen/Parallel.h>
+
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "ops.h"
+#include "vec.h"
+
+// The AVX2 path needs FMA and F16C too; every AVX2 CPU has them and -march=native turns them on together.
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define QS_GGML_AVX2 1
+#else
+#define QS_GGML_AVX2 0
+#endif
+
+namespace qwenserve::cpu {
+namespace {
+
+enum GgmlType : int64_t { kQ4_0 = 2, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+
+struct BlockInfo {
+  int64_t elems, bytes;
+};
+
+BlockInfo block_info(int64_t type) {
+  switch (type) {
+    case kQ4_0: return {32, 18};
+    case kQ5_0: return {32, 22};
+    case kQ8_0: return {32, 34};
+    case kQ4_K: return {256, 144};
+    case kQ5_K: return {256, 176};
+    case kQ6_K: return {256, 210};
+    default: break;
+  }
+  TORCH_CHECK(false, "ggml type ", type, " is not supported (Q4_0=2, Q5_0=6, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14)");
+}
+
+inline float fp16_at(const uint8_t* p) {
+  const uint16_t h = static_cast<uint16_t>(p[0] | (p[1] << 8));
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Weight codes, one block at a time (the portable decoders, shared by ggml_dequantize and the scalar dot products)
+
+void codes_q4_0(const uint8_t* b, int32_t* q) {
+  for (int j = 0; j < 16; ++j) {
+    q[j] = b[2 + j] & 0x0F;
+    q[j + 16] = b[2 + j] >> 4;
+  }
+}
+
+void codes_q5_0(const uint8_t* b, int32_t* q) {
+  const uint32_t h = b[2] | (b[3] << 8) | (b[4] << 16) | (static_cast<uint32_t>(b[5]) << 24);
+  for (int j = 0; j < 16; ++j) {
+    q[j] = (b[6 + j] & 0x0F) | (((h >> j) & 1) << 4);
+    q[j + 16] = (b[6 + j] >> 4) | (((h >> (j + 16)) & 1) << 4);
+  }
+}
+
+void codes_q8_0(const uint8_t* b, int32_t* q) {
+  for (int j = 0; j < 32; ++j) q[j] = static_cast<int8_t>(b[2 + j]);
+}
+
+// Q4_K/Q5_K: 8 six-bit scales and mins in 12 bytes (ggml's get_scale_min_k4)
+void scales_mins_k(const uint8_t* s, int32_t* sc, int32_t* mn) {
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = s[j] & 63;
+    mn[j] = s[j + 4] & 63;
+    sc[j + 4] = (s[j + 8] & 0x0F) | ((s[j] >> 6) << 4);
+    mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+  }
+}
+
+// Q4_K (qh == nullptr) and Q5_K codes of a super-block: 4 chunks of 32 bytes, low nibbles then high nibbles
+void codes_k4_k5(const uint8_t* qs, const uint8_t* qh, int32_t* q) {
+  for (int c = 0; c < 4; ++c)
+    for (int l = 0; l < 32; ++l) {
+      q[64 * c + l] = qs[32 * c + l] & 0x0F;
+      q[64 * c + 32 + l] = qs[32 * c + l] >> 4;
+    }
+  if (qh != nullptr)
+    for (int s = 0; s < 8; ++s)
+      for (int l = 0; l < 32; ++l) q[32 * s + l] |= ((qh[l] >> s) & 1) << 4;
+}
+
+void codes_q6_k(const uint8_t* b, int32_t* q) {
+  const uint8_t* ql = b;
+  const uint8_t* qh = b + 128;
+  for (int h = 0; h < 2; ++h)
+    for (int l = 0; l < 32; ++l) {
+      const int n = 128 * h, hb = qh[32 * h + l];
+      q[n + l] = (ql[64 * h + l] & 0x0F) | ((hb & 3) << 4);
+      q[n + l + 32] = (ql[64 * h + 32 + l] & 0x0F) | (((hb >> 2) & 3) << 4);
+      q[n + l + 64] = (ql[64 * h + l] >> 4) | (((hb >> 4) & 3) << 4);
+      q[n + l + 96] = (ql[64 * h + 32 + l] >> 4) | (((hb >> 6) & 3) << 4);
+    }
+}
+
+// One block -> float32, with dequant.py's operations (products exact, see the top of the file)
+void dequantize_block(int64_t type, const uint8_t* b, float* out) {
+  int32_t q[256];
+  switch (type) {
+    case kQ4_0:
+    case kQ5_0:
+    case kQ8_0: {
+      const float d = fp16_at(b);
+      const int off = type == kQ4_0 ? 8 : type == kQ5_0 ? 16 : 0;
+      if (type == kQ4_0) codes_q4_0(b, q);
+      else if (type == kQ5_0) codes_q5_0(b, q);
+      else codes_q8_0(b, q);
+      for (int j = 0; j < 32; ++j) out[j] = static_cast<float>(q[j] - off) * d;
+      break;
+    }
+    case kQ4_K:
+    case kQ5_K: {
+      const float d = fp16_at(b), dmin = fp16_at(b + 2);
+      int32_t sc[8], mn[8];
+      scales_mins_k(b + 4, sc, mn);
+      if (type == kQ4_K) codes_k4_k5(b + 16, nullptr, q);
+      else codes_k4_k5(b + 48, b + 16, q);
+      for (int s = 0; s < 8; ++s) {
+        const float ds = d * static_cast<float>(sc[s]), dm = dmin * static_cast<float>(mn[s]);
+        for (int l = 0; l < 32; ++l) out[32 * s + l] = ds * static_cast<float>(q[32 * s + l]) - dm;
+      }
+      break;
+    }
+    case kQ6_K: {
+      const float d = fp16_at(b + 208);
+      codes_q6_k(b, q);
+      for (int j = 0; j < 16; ++j) {
+        const float ds = d * static_cast<float>(static_cast<int8_t>(b[192 + j]));
+        for (int l = 0; l < 16; ++l) out[16 * j + l] = ds * static_cast<float>(q[16 * j + l] - 32);
+      }
+      break;
+    }
+    default: break;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Activation quantizers (ggml's quantize_row_q8_0_ref and quantize_row_q8_K_ref), one row at a time
+
+struct ActQ8_0 {  // 32 activations
+  float d;        // the fp16 scale, as float
+  int32_t sum;    // sum of qs
+  int8_t qs[32];
+};
+
+struct ActQ8_K {  // 256 activations
+  float d;
+  int16_t bsums[16];    // sums of 16
+  int16_t bsums32[8];   // sums of 32 (for the Q4_K/Q5_K mins)
+  int8_t qs[256];
+};
+
+template <typename T>
+void quantize_row_q8_0(const T* x, int64_t nb, ActQ8_0* y) {
+  for (int64_t b = 0; b < nb; ++b) {
+    float v[32], amax = 0.0f;
+    load_float(v, x + 32 * b, 32);
+    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(v[j]));
+    const float d = amax / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    int32_t sum = 0;
+    for (int j = 0; j < 32; ++j) {
+      const int q = static_cast<int>(std::round(v[j] * id));  // half away from zero, as roundf
+      y[b].qs[j] = static_cast<int8_t>(q);
+      sum += q;
+    }
+    y[b].d = static_cast<float>(c10::Half(d));  // ggml stores d as fp16 (the quants used the float32 d)
+    y[b].sum = sum;
+  }
+}
+
+// ggml's nearest_int (round to nearest, ties to even) of the float32 product iscale * x. Not its "+ 1.5 * 2^23"
+// trick: the compiler may fuse that add with the product (an fma), which rounds once where ggml rounds twice.
+inline int nearest_int(float f) { return static_cast<int>(std::nearbyint(f)); }
+
+template <typename T>
+void quantize_row_q8_K(const T* x, int64_t nb, ActQ8_K* y) {
+  for (int64_t b = 0; b < nb; ++b) {
+    float v[256], amax = 0.0f, max = 0.0f;
+    load_float(v, x + 256 * b, 256);
+    for (int j = 0; j < 256; ++j) {  // the signed value of largest magnitude (the first one)
+      const float ax = std::fabs(v[j]);
+      if (ax > amax) {
+        amax = ax;
+        max = v[j];
+      }
+    }
+    ActQ8_K& a = y[b];
+    if (amax == 0.0f) {
+      std::memset(&a, 0, sizeof(a));
+      continue;
+    }
+    const float iscale = -127.0f / max;
+    for (int j = 0; j < 256; ++j) a.qs[j] = static_cast<int8_t>(std::min(127, nearest_int(iscale * v[j])));
+    for (int j = 0; j < 16; ++j) {
+      int s = 0;
+      for (int l = 0; l < 16; ++l) s += a.qs[16 * j + l];
+      a.bsums[j] = static_cast<int16_t>(s);
+    }
+    for (int j = 0; j < 8; ++j) a.bsums32[j] = static_cast<int16_t>(a.bsums[2 * j] + a.bsums[2 * j + 1]);
+    a.d = 1.0f / iscale;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Dot products of one weight row with R (1..4) quantized activation rows: res[r] = sum_k w[k] * y[r][k].
+// Each kernel has an AVX2 body and a portable one that forms the same integer sum per block.
+
+#if QS_GGML_AVX2
+inline __m256i load32(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline __m256i in_lane0(int32_t v) { return _mm256_setr_epi32(v, 0, 0, 0, 0, 0, 0, 0); }
+
+// 8 int32 lanes, lane i = sum of the 4 products u[4i..4i+3] * s[4i..4i+3] (u unsigned, s signed). With
+// maddubs + madd the pair sums pass through int16: exact while every |u0 s0 + u1 s1| <= 32767, which holds for
+// every caller (codes <= 31 against |s| <= 127, or |u| <= 128 against |s| <= 127 for Q8_0's sign trick).
+inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+// 16 packed bytes -> 32 codes: the low nibbles (weights 0..15), then the high nibbles (weights 16..31)
+inline __m256i nibbles32(const uint8_t* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(0x0F));
+}
+
+// byte i = 0x10 where bit i of h is set, else 0
+inline __m256i fifth_bits32(uint32_t h) {
+  const __m256i spread = _mm256_shuffle_epi8(  // byte i <- byte i / 8 of h
+      _mm256_set1_epi32(static_cast<int32_t>(h)),
+      _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+}
+#endif
+
+// Q4_0 and Q5_0: unsigned codes; sum (q - off) y = sum q y - off * sum y, the correction in integers
+template <int64_t Type>
+struct LegacyUnsigned {
+  static constexpr int64_t kBlock = 32, kBytes = Type == kQ4_0 ? 18 : 22;
+  static constexpr int32_t kOff = Type == kQ4_0 ? 8 : 16;
+  using Act = ActQ8_0;
+
+  template <int R>
+  static void dot(const uint8_t* w, int64_t nb, const Act* const* y, float* res) {
+#if QS_GGML_AVX2
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = w + b * kBytes;
+      const float dw = fp16_at(blk);
+      __m256i q;
+      if constexpr (Type == kQ4_0) {
+        q = nibbles32(blk + 2);
+      } else {
+        uint32_t h;
+        std::memcpy(&h, blk + 2, 4);  // x86: little-endian
+        q = _mm256_or_si256(nibbles32(blk + 6), fifth_bits32(h));
+      }
+      for (int r = 0; r < R; ++r) {
+        const Act& a = y[r][b];
+        const __m256i s = _mm256_sub_epi32(dot_u8s8(q, load32(a.qs)), in_lane0(kOff * a.sum));
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * a.d), _mm256_cvtepi32_ps(s), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) res[r] = hsum(acc[r]);
+#else
+    float acc[R] = {};
+    int32_t q[32];
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = w + b * kBytes;
+      const float dw = fp16_at(blk);
+      if constexpr (Type == kQ4_0) codes_q4_0(blk, q);
+      else codes_q5_0(blk, q);
+      for (int r = 0; r < R; ++r) {
+        const Act& a = y[r][b];
+        int32_t s = 0;
+        for (int j = 0; j < 32; ++j) s += q[j] * a.qs[j];
+        s -= kOff * a.sum;
+        acc[r] += (dw * a.d) * static_cast<float>(s);
+      }
+    }
+    for (int r = 0; r < R; ++r) res[r] = acc[r];
+#endif
+  }
+};
+
+struct Q8_0Kernel {
+  static constexpr int64_t kBlock = 32, kBytes = 34;
+  using Act = ActQ8_0;
+
+  template <int R>
+  static void dot(const uint8_t* w, int64_t nb, const Act* const* y, float* res) {
+#if QS_GGML_AVX2
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = w + b * kBytes;
+      const float dw = fp16_at(blk);
+      const __m256i q = load32(blk + 2);
+      const __m256i aq = _mm256_sign_epi8(q, q);  // |q| as unsigned (-128 -> 128); its sign moves onto y
+      for (int r = 0; r < R; ++r) {
+        const Act& a = y[r][b];
+        const __m256i s = dot_u8s8(aq, _mm256_sign_epi8(load32(a.qs), q));
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * a.d), _mm256_cvtepi32_ps(s), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) res[r] = hsum(acc[r]);
+#else
+    float acc[R] = {};
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = w + b * kBytes;
+      const float dw = fp16_at(blk);
+      const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
+      for (int r = 0; r < R; ++r) {
+        const Act& a = y[r][b];
+        int32_t s = 0;
+        for (int j = 0; j < 32; ++j) s += q[j] * a.qs[j];
+        acc[r] += (dw * a.d) * static_cast<float>(s);
+      }
+    }
+    for (int r = 0; r < R; ++r) res[r] = acc[r];
+#endif
+  }
+};
+
+// Q4_K and Q5_K: per super-block, isum = sum_s sc[s] sum_{i in s} q_i y_i and msum = sum_s m[s] sum_{i in s} y_i;
+// the row gets d dy isum - dmin dy msum.
+template <int64_t Type>
+struct KQuant45 {
+  static constexpr int64_t kBlock = 256, kBytes = Type == kQ4_K ? 144 : 176;
+  static constexpr int kQs = Type == kQ4_K ? 16 : 48;
+  using Act = ActQ8_K;
+
+  template <int R>
+  static void dot(const uint8_t* w, int64_t nb, const Act* const* y, float* res) {
+    float accm[R] = {};
+    int32_t sc[8], mn[8];
+#if QS_GGML_AVX2
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    const __m256i m0f = _mm256_set1_epi8(0x0F);
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = w + b * kBytes;
+      const float d = fp16_at(blk), dmin = fp16_at(blk + 2);
+      scales_mins_k(blk + 4, sc, mn);
+      __m256i isum[R];
+      for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+      // Q5_K: the 5th bits of sub-blocks 2c and 2c+1 are bits 0 and 1 of hb after it is shifted right by 2c
+      __m256i hb;
+      if constexpr (Type == kQ5_K) hb = load32(blk + 16);
+      for (int c = 0; c < 4; ++c) {
+        const __m256i bits = load32(blk + kQs + 32 * c);
+        __m256i lo = _mm256_and_si256(bits, m0f);
+        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m0f);
+        if constexpr (Type == kQ5_K) {
+          const __m256i m10 = _mm256_set1_epi8(0x10);
+          lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(hb, 4), m10));  // bit 0 -> bit 4
+          hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(hb, 3), m10));  // bit 1 -> bit 4
+          hb = _mm256_srli_epi16(hb, 2);  // the next byte's bits come in at the top, never reach bits 0, 1 by c = 3
+        }
+        const __m256i slo = _mm256_set1_epi16(static_cast<int16_t>(sc[2 * c]));
+        const __m256i shi = _mm256_set1_epi16(static_cast<int16_t>(sc[2 * c + 1]));
+        for (int r = 0; r < R; ++r) {
+          const int8_t* a = y[r][b].qs + 64 * c;
+          const __m256i plo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load32(a)), slo);
+          const __m256i phi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load32(a + 32)), shi);
+          isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(plo, phi));
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const Act& a = y[r][b];
+        int32_t msum = 0;
+        for (int s = 0; s < 8; ++s) msum += mn[s] * a.bsums32[s];
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * a.d), _mm256_cvtepi32_ps(isum[r]), acc[r]);
+        accm[r] += (dmin * a.d) * static_cast<float>(msum);
+      }
+    }
+    for (int r = 0; r < R; ++r) res[r] = hsum(acc[r]) - accm[r];
+#else
+    float acc[R] = {};
+    int32_t q[256];
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = w + b * kBytes;
+      const float d = fp16_at(blk), dmin = fp16_at(blk + 2);
+      scales_mins_k(blk + 4, sc, mn);
+      codes_k4_k5(blk + kQs, Type == kQ5_K ? blk + 16 : nullptr, q);
+      for (int r = 0; r < R; ++r) {
+        const Act& a = y[r][b];
+        int32_t isum = 0, msum = 0;
+        for (int s = 0; s < 8; ++s) {
+          int32_t p = 0;
+          for (int l = 0; l < 32; ++l) p += q[32 * s + l] * a.qs[32 * s + l];
+          isum += sc[s] * p;
+          msum += mn[s] * a.bsums32[s];
+        }
+        acc[r] += (d * a.d) * static_cast<float>(isum);
+        accm[r] += (dmin * a.d) * static_cast<float>(msum);
+      }
+    }
+    for (int r = 0; r < R; ++r) res[r] = acc[r] - accm[r];
+#endif
+  }
+};
+
+// Q6_K: isum = sum_j sc[j] (sum_{i in j} q_i y_i - 32 bsum_j) over the 16 sub-blocks of 16; the row gets d dy isum.
+struct Q6_KKernel {
+  static constexpr int64_t kBlock = 256, kBytes = 210;
+  using Act = ActQ8_K;
+
+  template <int R>
+  static void dot(const uint8_t* w, int64_t nb, const Act* const* y, float* res) {
+#if QS_GGML_AVX2
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    const __m256i m0f = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = w + b * kBytes;
+      const float d = fp16_at(blk + 208);
+      const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+      const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
+      __m256i isum[R];
+      for (int r = 0; r < R; ++r)  // the -32 offset: -32 sum_j sc[j] bsum_j
+        isum[r] = _mm256_sub_epi32(_mm256_setzero_si256(),
+                                   _mm256_slli_epi32(_mm256_madd_epi16(sc16, load32(y[r][b].bsums)), 5));
+      for (int h = 0; h < 2; ++h) {
+        const __m256i qh = load32(blk + 128 + 32 * h);
+        const __m256i ql0 = load32(blk + 64 * h), ql1 = load32(blk + 64 * h + 32);
+        __m256i q[4];
+        q[0] = _mm256_or_si256(_mm256_and_si256(ql0, m0f), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));
+        q[1] = _mm256_or_si256(_mm256_and_si256(ql1, m0f), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
+        q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m0f), _mm256_and_si256(qh, m30));
+        q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m0f),
+                               _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
+        for (int k = 0; k < 4; ++k) {  // weights 128h + 32k + (0..15 | 16..31): sub-blocks j, j + 1
+          const int j = 8 * h + 2 * k;
+          const __m256i s = _mm256_set_m128i(_mm_set1_epi16(sc[j + 1]), _mm_set1_epi16(sc[j]));
+          for (int r = 0; r < R; ++r) {
+            const __m256i p = _mm256_maddubs_epi16(q[k], load32(y[r][b].qs + 128 * h + 32 * k));
+            isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p, s));
+          }
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * y[r][b].d), _mm256_cvtepi32_ps(isum[r]), acc[r]);
+    }
+    for (int r = 0; r < R; ++r) res[r] = hsum(acc[r]);
+#else
+    float acc[R] = {};
+    int32_t q[256];
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = w + b * kBytes;
+      const float d = fp16_at(blk + 208);
+      const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+      codes_q6_k(blk, q);
+      for (int r = 0; r < R; ++r) {
+        const Act& a = y[r][b];
+        int32_t isum = 0;
+        for (int j = 0; j < 16; ++j) {
+          int32_t p = 0;
+          for (int l = 0; l < 16; ++l) p += q[16 * j + l] * a.qs[16 * j + l];
+          isum += sc[j] * (p - 32 * a.bsums[j]);
+        }
+        acc[r] += (d * a.d) * static_cast<float>(isum);
+      }
+    }
+    for (int r = 0; r < R; ++r) res[r] = acc[r];
+#endif
+  }
+};
+
+// ---------------------------------------------------------------------------------------------------------------
+// Drivers
+
+template <typename T>
+void quantize_rows(const T* x, int64_t M, int64_t K, ActQ8_0* y) {
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) quantize_row_q8_0(x + m * K, K / 32, y + m * (K / 32));
+  });
+}
+template <typename T>
+void quantize_rows(const T* x, int64_t M, int64_t K, ActQ8_K* y) {
+  at::parallel_for(0, M, 4, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) quantize_row_q8_K(x + m * K, K / 256, y + m * (K / 256));
+  });
+}
+
+template <typename Kernel, int R>
+void dot_group(const uint8_t* w, int64_t nb, const typename Kernel::Act* const* y, float* res) {
+  Kernel::template dot<R>(w, nb, y, res);
+}
+
+template <typename Kernel, typename T>
+void mm_impl(T* out, int64_t ldo, const T* x, int64_t M, int64_t K, const uint8_t* w, int64_t ldw, int64_t N) {
+  using Act = typename Kernel::Act;
+  const int64_t nb = K / Kernel::kBlock;
+  std::vector<Act> act(static_cast<size_t>(M * nb));
+  quantize_rows(x, M, K, act.data());
+  constexpr int64_t kTile = 16;  // weight rows that share one pass over a group of 4 activation rows
+  at::parallel_for(0, N, kTile, [&](int64_t n0, int64_t n1) {
+    for (int64_t t0 = n0; t0 < n1; t0 += kTile) {
+      const int64_t t1 = std::min(n1, t0 + kTile);
+      for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        const int r = static_cast<int>(std::min<int64_t>(4, M - m0));
+        const Act* y[4];
+        for (int i = 0; i < r; ++i) y[i] = act.data() + (m0 + i) * nb;
+        for (int64_t n = t0; n < t1; ++n) {
+          const uint8_t* wr = w + n * ldw;
+          float res[4];
+          switch (r) {
+            case 4: dot_group<Kernel, 4>(wr, nb, y, res); break;
+            case 3: dot_group<Kernel, 3>(wr, nb, y, res); break;
+            case 2: dot_group<Kernel, 2>(wr, nb, y, res); break;
+            default: dot_group<Kernel, 1>(wr, nb, y, res); break;
+          }
+          for (int i = 0; i < r; ++i) out[(m0 + i) * ldo + n] = from_float<T>(res[i]);
+        }
+      }
+    }
+  });
+}
+
+template <typename T>
+void dequantize_impl(const uint8_t* raw, int64_t ld, int64_t type, int64_t rows, int64_t cols, T* out) {
+  const BlockInfo bi = block_info(type);
+  const int64_t nb = cols / bi.elems;
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / cols), [&](int64_t r0, int64_t r1) {
+    float buf[256];
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t b = 0; b < nb; ++b) {
+        T* o = out + r * cols + b * bi.elems;
+        if constexpr (std::is_same_v<T, float>) {
+          dequantize_block(type, raw + r * ld + b * bi.bytes, o);
+        } else {
+          dequantize_block(type, raw + r * ld + b * bi.bytes, buf);
+          for (int64_t j = 0; j < bi.elems; ++j) o[j] = from_float<T>(buf[j]);
+        }
+      }
+  });
+}
+
+void check_raw(const at::Tensor& raw, int64_t type, int64_t cols, int64_t rows_expected) {
+  TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == at::kByte && raw.dim() == 2,
+              "ggml: raw must be a 2-D uint8 CPU tensor [rows, row_bytes]");
+  TORCH_CHECK(raw.stride(1) == 1 || raw.size(1) <= 1, "ggml: raw rows must be contiguous");
+  const BlockInfo bi = block_info(type);
+  TORCH_CHECK(cols > 0 && cols % bi.elems == 0, "ggml type ", type, ": cols (", cols, ") must be a multiple of ",
+              bi.elems);
+  TORCH_CHECK(raw.size(1) == cols / bi.elems * bi.bytes, "ggml type ", type, ": ", cols, " columns take ",
+              cols / bi.elems * bi.bytes, " bytes a row, raw has ", raw.size(1));
+  if (rows_expected >= 0) TORCH_CHECK(raw.size(0) == rows_expected, "ggml_mm: raw has ", raw.size(0),
+                                      " rows, out has ", rows_expected, " columns");
+}
+
+}  // namespace
+
+// raw: uint8 [rows, cols / block_elems * block_bytes] -> [rows, cols] in dtype (float32, bfloat16, float16)
+at::Tensor ggml_dequantize(const at::Tensor& raw, int64_t ggml_type, int64_t cols, at::ScalarType dtype) {
+  check_raw(raw, ggml_type, cols, -1);
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "ggml_dequantize: dtype must be float32, bfloat16 or float16");
+  const int64_t rows = raw.size(0);
+  at::Tensor out = at::empty({rows, cols}, raw.options().dtype(dtype));
+  if (rows == 0) return out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "ggml_dequantize", [&] {
+    dequantize_impl<scalar_t>(raw.data_ptr<uint8_t>(), raw.stride(0), ggml_type, rows, cols,
+                              out.data_ptr<scalar_t>());
+  });
+  return out;
+}
+
+// out[M, N] = x[M, K] @ dequant(raw[N, ...])^T with x quantized to q8_0 / q8_K per row (see the top of the file).
+// out's rows may be strided (a column slice of a wider output); x contiguous in float32, bfloat16 or float16.
+void ggml_mm(at::Tensor& out, const at::Tensor& x, const at::Tensor& raw, int64_t ggml_type) {
+  TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu(), "ggml_mm: CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.is_contiguous(), "ggml_mm: x must be a contiguous [M, K] matrix");
+  TORCH_CHECK(out.size(0) == x.size(0) && (out.stride(1) == 1 || out.size(1) <= 1),
+              "ggml_mm: out must be [M, N] with contiguous rows");
+  TORCH_CHECK(out.scalar_type() == x.scalar_type(), "ggml_mm: out and x must have the same dtype");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+              "ggml_mm: x must be float32, bfloat16 or float16");
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
+  check_raw(raw, ggml_type, K, N);
+  if (M == 0 || N == 0) return;
+  const uint8_t* w = raw.data_ptr<uint8_t>();
+  const int64_t ldw = raw.stride(0), ldo = out.stride(0);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "ggml_mm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    switch (ggml_type) {
+      case kQ4_0: mm_impl<LegacyUnsigned<kQ4_0>>(op, ldo, xp, M, K, w, ldw, N); break;
+      case kQ5_0: mm_impl<LegacyUnsigned<kQ5_0>>(op, ldo, xp, M, K, w, ldw, N); break;
+      case kQ8_0: mm_impl<Q8_0Kernel>(op, ldo, xp, M, K, w, ldw, N); break;
+      case kQ4_K: mm_impl<KQuant45<kQ4_K>>(op, ldo, xp, M, K, w, ldw, N); break;
+      case kQ5_K: mm_impl<KQuant45<kQ5_K>>(op, ldo, xp, M, K, w, ldw, N); break;
+      case kQ6_K: mm_impl<Q6_KKernel>(op, ldo, xp, M, K, w, ldw, N); break;
+      default: break;  // check_raw rejected it
+    }
+  });
+}
+
+}  // namespace qwenserve::cpu

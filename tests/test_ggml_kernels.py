@@ -1,0 +1,261 @@
+"""The ggml kernels (kernels/cpu/ggml_quants.cpp): ggml_dequantize against our torch dequantizers bit for bit, and
+ggml_mm (a linear layer on quantized weights, activations quantized per row to q8_0 / q8_K as ggml does) against a
+float64 reference of the same quantization, and against F.linear on the dequantized weight."""
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from qwenserve import kernels
+from qwenserve.model.loader.dequant import dequantize
+
+Q = GGMLQuantizationType
+TYPES = [Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+# where each block format keeps its fp16 scale(s): random bytes there could be inf/nan
+SCALE_OFFSETS = {Q.Q8_0: [0], Q.Q4_0: [0], Q.Q5_0: [0], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208]}
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(scope="module")
+def ops():
+    if os.environ.get("QWENSERVE_CPU_KERNELS") == "0":
+        pytest.skip("CPU kernels switched off by QWENSERVE_CPU_KERNELS=0")
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C++ compiler here: the engine runs on the PyTorch path, which the other tests cover")
+    ops = kernels.cpu_ops()
+    assert ops is not None, "the CPU kernels did not build here (see the warning logged by qwenserve.kernels)"
+    return ops
+
+
+def random_blocks(qtype, rows, cols, seed, scale=2.0):
+    """uint8 [rows, row_bytes] of random ggml blocks whose fp16 scales are finite (uniform in +-scale)."""
+    block_elems, block_bytes = GGML_QUANT_SIZES[qtype]
+    nb = rows * cols // block_elems
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(nb, block_bytes), dtype=np.uint8)
+    for off in SCALE_OFFSETS[qtype]:
+        blocks[:, off:off + 2] = rng.uniform(-scale, scale, size=(nb, 1)).astype(np.float16).view(np.uint8)
+    return torch.from_numpy(blocks.reshape(rows, cols // block_elems * block_bytes))
+
+
+def reference_dequant(raw, qtype, cols):
+    return dequantize(raw.numpy().reshape(-1), qtype, (raw.shape[0], cols))
+
+
+def quantize_q8_0_ref(x):
+    """ggml's quantize_row_q8_0_ref on float32 rows: d = amax / 127, q = roundf(x * (1 / d)) (half away from
+    zero), d stored as fp16. Returns the dequantized activations and a bound on each element's error (half a step,
+    plus up to 127 times d's rounding to fp16), in float64."""
+    b = x.float().reshape(x.shape[0], -1, 32)
+    d = b.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d == 0, 0.0, torch.ones_like(d) / d)  # (not 1.0 / d: torch makes that reciprocal() * 1.0)
+    v = (b * inv).double()
+    q = torch.sign(v) * torch.floor(v.abs() + 0.5)
+    d16 = d.half().double()
+    err = d16 * (0.5 + 127 * 2.0 ** -10)
+    return (q * d16).reshape(x.shape), err.expand_as(b).reshape(x.shape)
+
+
+def quantize_q8_K_ref(x):
+    """ggml's quantize_row_q8_K_ref: max = the (first) signed value of largest magnitude, iscale = -127 / max,
+    q = min(127, nearest_int(iscale * x)) (ties to even), d = 1 / iscale in float32 (may be negative). Returns the
+    dequantized activations and a bound on each element's error, in float64."""
+    b = x.float().reshape(x.shape[0], -1, 256)
+    mx = b.gather(-1, b.abs().argmax(-1, keepdim=True))
+    iscale = torch.full_like(mx, -127.0) / mx  # (not -127.0 / mx: torch makes that mx.reciprocal() * -127.0)
+    q = torch.round(iscale * b).clamp(max=127)
+    d = torch.ones_like(iscale) / iscale
+    zero = mx == 0
+    q, d = torch.where(zero, 0.0, q), torch.where(zero, 0.0, d)
+    err = d.double().abs() * (0.5 + 127 * 2.0 ** -22)
+    return (q.double() * d.double()).reshape(x.shape), err.expand_as(b).reshape(x.shape)
+
+
+def quantize_ref(x, qtype):
+    return quantize_q8_K_ref(x) if GGML_QUANT_SIZES[qtype][0] == 256 else quantize_q8_0_ref(x)
+
+
+def run_mm(ops, x, raw, qtype, pad=(5, 11)):
+    """ggml_mm into a column slice of a wider output; checks the columns around it are untouched."""
+    n = raw.shape[0]
+    sentinel = -12345.0
+    y = torch.full((x.shape[0], pad[0] + n + pad[1]), sentinel, dtype=x.dtype)
+    ops.ggml_mm(y[:, pad[0]:pad[0] + n], x, raw, int(qtype))
+    assert (y[:, :pad[0]] == sentinel).all() and (y[:, pad[0] + n:] == sentinel).all()
+    return y[:, pad[0]:pad[0] + n]
+
+
+def output_ulp(dtype):
+    return {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}[dtype]
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_dequantize_equals_torch_dequantizers(ops, qtype, rows):
+    cols = 2 * GGML_QUANT_SIZES[qtype][0] if rows == 64 else 3 * 256
+    raw = random_blocks(qtype, rows, cols, seed=int(qtype) * 100 + rows)
+    expected = reference_dequant(raw, qtype, cols)
+    got = ops.ggml_dequantize(raw, int(qtype), cols, torch.float32)
+    assert got.dtype == torch.float32 and got.shape == (rows, cols)
+    assert torch.equal(got, expected)
+    for dtype in (torch.bfloat16, torch.float16):
+        assert torch.equal(ops.ggml_dequantize(raw, int(qtype), cols, dtype), expected.to(dtype))
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 33])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_mm_equals_quantized_reference_and_is_a_linear_layer(ops, qtype, dtype, m):
+    k = 512 if GGML_QUANT_SIZES[qtype][0] == 256 else 96
+    n = 37  # not a multiple of the kernel's 16-row tiles
+    raw = random_blocks(qtype, n, k, seed=int(qtype) * 1000 + m, scale=0.02)  # float16 outputs stay finite
+    g = torch.Generator().manual_seed(int(qtype) + m)
+    x = (torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 4).to(dtype)
+    w = reference_dequant(raw, qtype, k).double()
+
+    got = run_mm(ops, x, raw, qtype).double()
+    xq, xerr = quantize_ref(x, qtype)
+    expected = xq @ w.T
+    magnitude = xq.abs() @ w.abs().T  # the sum of |terms|: float summation order moves results relative to it
+    assert ((got - expected).abs() <= 1e-4 * magnitude + output_ulp(dtype) * expected.abs()).all()
+
+    # the layer itself: off F.linear only by the activations' rounding (bounded per element by xerr), plus the
+    # output's rounding to its dtype
+    exact = F.linear(x.double(), w)
+    bound = xerr @ w.abs().T + 1e-4 * magnitude + output_ulp(dtype) * exact.abs()
+    assert ((got - exact).abs() <= bound).all()
+    assert (got - exact).norm() <= 0.02 * exact.norm()
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_mm_zero_rows_and_rounding_ties(ops, qtype):
+    block = GGML_QUANT_SIZES[qtype][0]
+    k, n = 2 * 256, 24
+    raw = random_blocks(qtype, n, k, seed=7)
+    w = reference_dequant(raw, qtype, k).double()
+    x = torch.zeros(4, k)
+    # row 1: one zero block and one of nothing but exact .5 ties for the quantizer: with q8_0's d = 127 / 127 = 1
+    # and q8_K's iscale = -127 / -127 = 1, x * (1 / d) = x; q8_0 rounds them away from zero, q8_K to even
+    ties = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5, -3.5])
+    x[1, block:2 * block] = ties.repeat(block // 8)
+    x[1, block] = -127.0
+    # row 2: every element of equal magnitude; row 3: the same with both signs of the largest magnitude
+    x[2] = 0.75
+    x[3] = torch.tensor([0.75, -0.75]).repeat(k // 2)
+    got = run_mm(ops, x, raw, qtype).double()
+    assert torch.equal(got[0], torch.zeros(n, dtype=torch.float64))
+    xq, _ = quantize_ref(x, qtype)
+    expected = xq @ w.T
+    magnitude = xq.abs() @ w.abs().T
+    assert ((got - expected).abs() <= 1e-5 * magnitude).all()
+    # the ties really decide: the other rounding rule gives visibly different outputs for row 1
+    v = x[1, block:2 * block].double()
+    other = torch.round(v) if block == 32 else torch.sign(v) * torch.floor(v.abs() + 0.5)
+    assert not torch.equal(other, xq[1, block:2 * block])
+    wrong = xq[1].clone()
+    wrong[block:2 * block] = other
+    assert ((got[1] - wrong @ w.T).abs() > 1e-3 * magnitude[1]).any()
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_mm_many_rows_and_threads(ops, qtype):
+    """Enough weight rows for several tiles on every thread, against the reference (float32 x)."""
+    k = 256 if GGML_QUANT_SIZES[qtype][0] == 256 else 64
+    raw = random_blocks(qtype, 300, k, seed=11)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(3))
+    got = run_mm(ops, x, raw, qtype, pad=(0, 0)).double()
+    xq, _ = quantize_ref(x, qtype)
+    w = reference_dequant(raw, qtype, k).double()
+    assert ((got - xq @ w.T).abs() <= 1e-4 * (xq.abs() @ w.abs().T)).all()
+
+
+def test_bad_arguments_are_rejected(ops):
+    raw = random_blocks(Q.Q8_0, 4, 64, seed=1)
+    with pytest.raises(RuntimeError, match="not supported"):
+        ops.ggml_dequantize(raw, int(Q.Q2_K), 64, torch.float32)
+    with pytest.raises(RuntimeError, match="bytes a row"):
+        ops.ggml_dequantize(raw, int(Q.Q8_0), 96, torch.float32)
+    with pytest.raises(RuntimeError, match="rows"):
+        ops.ggml_mm(torch.empty(1, 5), torch.randn(1, 64), raw, int(Q.Q8_0))
+    with pytest.raises(RuntimeError, match="dtype"):
+        ops.ggml_mm(torch.empty(1, 4, dtype=torch.bfloat16), torch.randn(1, 64), raw, int(Q.Q8_0))
+
+
+# The portable path, built without AVX2 in a subprocess (its own small library of the two ggml ops), must give the
+# same dequantized values bit for bit and the same products up to float summation order.
+_SCALAR_RUN = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+
+    import torch
+    from torch.utils.cpp_extension import load
+
+    src, reg, data, name = sys.argv[1:5]
+    load(name=name, sources=[src, reg], extra_include_paths=[str(Path(src).parent)],
+         extra_cflags=["-O3", "-march=native", "-mno-avx2", "-mno-fma", "-mno-f16c", "-fopenmp"],
+         extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    ops = torch.ops.qwenserve_ggml_portable
+    results = []
+    for t, raw, x in torch.load(data):
+        y = torch.empty(x.shape[0], raw.shape[0], dtype=x.dtype)
+        ops.ggml_mm(y, x, raw, t)
+        results.append((ops.ggml_dequantize(raw, t, x.shape[1], torch.float32), y))
+    torch.save(results, data)
+""")
+_SCALAR_REGISTER = """
+#include <torch/library.h>
+#include "ops.h"
+TORCH_LIBRARY(qwenserve_ggml_portable, m) {
+  m.def("ggml_dequantize(Tensor raw, int ggml_type, int cols, ScalarType dtype) -> Tensor");
+  m.def("ggml_mm(Tensor(a!) out, Tensor x, Tensor raw, int ggml_type) -> ()");
+}
+TORCH_LIBRARY_IMPL(qwenserve_ggml_portable, CPU, m) {
+  m.impl("ggml_dequantize", &qwenserve::cpu::ggml_dequantize);
+  m.impl("ggml_mm", &qwenserve::cpu::ggml_mm);
+}
+"""
+
+
+def test_portable_path_computes_the_same(ops, tmp_path):
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the library here is already the portable build")
+    src = Path(kernels.__file__).with_name("cpu") / "ggml_quants.cpp"
+    # torch rebuilds on a changed .cpp but not on a changed header: the sources' hash goes into the name
+    sources = b"".join((src.parent / f).read_bytes() for f in ("ggml_quants.cpp", "vec.h", "ops.h"))
+    tag = hashlib.sha1(kernels._cpu_tag().encode() + sources + _SCALAR_REGISTER.encode()).hexdigest()[:8]
+    # a fixed path for the registration source, so later runs find the library built (torch's builder keys on it)
+    reg = Path(tempfile.gettempdir()) / f"qwenserve_ggml_portable_{tag}.cpp"
+    if not reg.exists() or reg.read_text() != _SCALAR_REGISTER:
+        reg.write_text(_SCALAR_REGISTER)
+    cases = []
+    for i, qtype in enumerate(TYPES):
+        k = 512 if GGML_QUANT_SIZES[qtype][0] == 256 else 96
+        for dtype in DTYPES:
+            x = (torch.randn(6, k, generator=torch.Generator().manual_seed(i)) * 2).to(dtype)
+            cases.append((int(qtype), random_blocks(qtype, 21, k, seed=i, scale=0.02), x))
+    data = tmp_path / "cases.pt"
+    torch.save(cases, data)
+    proc = subprocess.run([sys.executable, "-c", _SCALAR_RUN, str(src), str(reg), str(data),
+                           f"qwenserve_ggml_portable_{tag}"], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = torch.load(data)
+    for (qtype, raw, x), (deq, y) in zip(cases, results):
+        cols = x.shape[1]
+        assert torch.equal(deq, ops.ggml_dequantize(raw, qtype, cols, torch.float32))
+        got = torch.empty_like(y)
+        ops.ggml_mm(got, x, raw, qtype)
+        w = deq.double()
+        xq, _ = quantize_ref(x, Q(qtype))
+        magnitude = xq.abs() @ w.abs().T
+        assert ((got.double() - y.double()).abs() <= 1e-5 * magnitude + output_ulp(x.dtype) * y.double().abs()).all()

@@ -1,0 +1,91 @@
+"""quantization="gguf": a GGUF file's quantized blocks stay in memory and our kernels run them. Checked on tiny
+random models written as GGUF (32-weight block types; the K-quants need rows of 256, covered by
+tests/test_ggml_kernels.py and the bundled model): the model keeps the file's bytes, not dense weights; its
+logits follow the exact (dequantized) path within what int8 activations cost; without the kernels it
+dequantizes at load and equals the exact path bit for bit; bad combinations are errors that name them."""
+import json
+import os
+
+import pytest
+import torch
+from helpers import save_gguf, save_hf_dir, tiny_hf_model
+
+from qwenserve import LLM, SamplingParams, kernels
+from qwenserve.config.errors import ConfigError
+from qwenserve.model.loader.ggml_tensor import GGMLTensor
+from qwenserve.model.loader.gguf_file import GGUFFile
+from qwenserve.model.loader.model_loader import LoadedModel
+from qwenserve.worker.model_runner import full_logits
+
+# as llama.cpp's Q4_K_M does with the 32-weight types: v and down in more bits than the rest
+MIXED = {"v_proj": "Q8_0", "down_proj": "Q8_0", "lm_head": "Q8_0"}
+
+
+@pytest.fixture(scope="module")
+def mixed_gguf(tmp_path_factory):
+    hf = tiny_hf_model(seed=61, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96)
+    return save_gguf(hf, str(tmp_path_factory.mktemp("q") / "mixed.gguf"), "Q5_0", MIXED)
+
+
+@pytest.fixture(scope="module")
+def ops():
+    if os.environ.get("QWENSERVE_CPU_KERNELS") == "0" or kernels.cpu_ops() is None:
+        pytest.skip("no CPU kernels here: the gguf method then dequantizes at load (tested below)")
+    return kernels.cpu_ops()
+
+
+def engine_model(llm):
+    return llm.engine.executor.worker.model
+
+
+def test_quantized_layers_hold_the_files_blocks(ops, mixed_gguf):
+    llm = LLM(mixed_gguf, dtype="float32", kv_cache_memory="4MiB")
+    assert llm.engine.spec.quantization == "gguf"  # detected from the file
+    model = engine_model(llm)
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    types = [seg.ggml_type.name for _, seg in qkv.segments]
+    assert types == ["Q5_0", "Q5_0", "Q8_0"], "q, k and v keep their own block types"
+    assert qkv.weight.numel() == 0  # no dense copy
+    f = GGUFFile(mixed_gguf)
+    held = sum(seg.nbytes for m in model.modules() if getattr(m, "segments", None) for _, seg in m.segments)
+    in_file = sum(t.nbytes for t in f.tensors.values() if len(t.shape) == 2 and "token_embd" not in t.name)
+    assert held == in_file  # every linear weight byte of the file, nothing more
+    assert all(isinstance(seg, GGMLTensor) for m in model.modules() if getattr(m, "segments", None)
+               for _, seg in m.segments)
+
+
+def test_logits_follow_the_exact_path(ops, mixed_gguf):
+    exact = LoadedModel(mixed_gguf, dtype="float32", quantization="none").model
+    quantized = LoadedModel(mixed_gguf, dtype="float32", quantization="gguf").model
+    # prefill-sized: the blocks are dequantized and run dense, as the exact path runs them
+    many = list(range(3, 3 + quantized.lm_head.dense_from_rows + 6))
+    torch.testing.assert_close(full_logits(quantized, many), full_logits(exact, many), atol=1e-4, rtol=1e-4)
+    # decode-sized: int8 dot products on quantized activations, close, and the same next-token choices mostly
+    few = list(range(9, 49))
+    got, want = full_logits(quantized, few), full_logits(exact, few)
+    assert (got - want).norm() < 0.05 * want.norm()
+    agree = (got.argmax(-1) == want.argmax(-1)).float().mean()
+    assert agree >= 0.9, f"only {agree:.0%} of next-token choices agree with the exact path"
+
+
+def test_without_kernels_the_blocks_are_dequantized_at_load(mixed_gguf, caplog):
+    with kernels.disabled(), caplog.at_level("WARNING"):  # both on the PyTorch ops, so they may be equal
+        quantized = LoadedModel(mixed_gguf, dtype="float32", quantization="gguf").model
+        exact = LoadedModel(mixed_gguf, dtype="float32", quantization="none").model
+    assert "dequantized at load" in caplog.text
+    ids = list(range(7, 30))
+    assert torch.equal(full_logits(quantized, ids), full_logits(exact, ids))
+
+
+def test_bad_quantization_settings_name_the_problem(tmp_path, mixed_gguf):
+    hf_dir = save_hf_dir(tiny_hf_model(seed=62), str(tmp_path / "hf"))
+    with pytest.raises(ConfigError, match="quantization gguf runs a GGUF file's blocks, but .* is not a GGUF"):
+        LLM(hf_dir, quantization="gguf")
+    with pytest.raises(ConfigError, match="quantization 'int3' is not supported; use one of none, gguf"):
+        LLM(mixed_gguf, quantization="int3")
+    config_path = os.path.join(hf_dir, "config.json")
+    config = json.load(open(config_path))
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128}
+    json.dump(config, open(config_path, "w"))
+    with pytest.raises(ConfigError, match="holds 'awq'-quantized weights"):
+        LLM(hf_dir)
