@@ -43,3 +43,34 @@ def test_bench_commands_print_one_json_line(tmp_path, capsys):
         result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert keys <= set(result), name
     assert result["ttft_warm_ms"] > 0 and result["warm_cached_tokens"] == 64  # the whole 64-token prefix
+
+
+def test_bench_ppl_is_the_perplexity_of_the_served_path(tmp_path, capsys):
+    """bench ppl's figure equals exp(mean NLL) computed from the model's own logits over the same sliding
+    windows, every token after the first scored exactly once; and it runs on the default shipped text."""
+    from qwenserve.benchmarks.ppl import DEFAULT_TEXT, windows
+    from qwenserve.worker.model_runner import full_logits
+
+    path = save_hf_dir(tiny_hf_model(seed=63), str(tmp_path / "m"))
+    text = tmp_path / "t.txt"
+    text.write_text(DEFAULT_TEXT.read_text(encoding="utf-8")[:1500], encoding="utf-8")
+    argv = ["bench", "ppl", "--model", path, "--dtype", "float32", "--kv-cache-memory", "8MiB", "--file", str(text),
+            "--context", "64", "--stride", "16", "--json"]
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+    loaded = LoadedModel(path, dtype="float32")
+    ids = loaded.tokenizer.encode(text.read_text(encoding="utf-8"), add_special_tokens=False)
+    spans = windows(len(ids), 64, 16)
+    assert sorted(p for _, end, first in spans for p in range(first, end)) == list(range(1, len(ids)))
+    nll = 0.0
+    for start, end, first in spans:
+        logprobs = torch.log_softmax(full_logits(loaded.model, ids[start:end]), dim=-1)
+        for pos in range(first, end):  # the logits at pos - 1 predict token pos
+            nll -= float(logprobs[pos - 1 - start, ids[pos]])
+    assert result["tokens"] == len(ids) - 1
+    assert abs(result["ppl"] - torch.tensor(nll / (len(ids) - 1)).exp().item()) < 1e-3 * result["ppl"]
+
+    assert main(["bench", "ppl", "--model", path, "--dtype", "float32", "--kv-cache-memory", "8MiB", "--json"]) == 0
+    default = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert default["tokens"] > 1000 and default["ppl"] > 1

@@ -1,4 +1,4 @@
-"""`qwenserve bench ...`: measurements, never tests (throughput, latency, prefix, load, serve)."""
+"""`qwenserve bench ...`: measurements, never tests (throughput, latency, prefix, ppl, load, serve)."""
 from __future__ import annotations
 
 import argparse
@@ -40,6 +40,14 @@ def register(sub) -> None:
     pre.add_argument("--num-prompts", type=positive_int, default=5)
     pre.add_argument("--json", action="store_true")
 
+    ppl = bench_sub.add_parser("ppl", help="perplexity of the model over a text (default: one shipped with qwenserve)")
+    add_engine_args(ppl)
+    ppl.add_argument("--file", default=None, help="a UTF-8 text file (default: English, Chinese and code, ~2.5k tokens)")
+    ppl.add_argument("--context", type=positive_int, default=512, help="tokens per window (default: %(default)s)")
+    ppl.add_argument("--stride", type=positive_int, default=256,
+                     help="tokens scored per window after the first (default: %(default)s)")
+    ppl.add_argument("--json", action="store_true")
+
     srv = bench_sub.add_parser("serve", help="drive a running OpenAI-compatible server with streaming requests")
     srv.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (without /v1)")
     srv.add_argument("--num-prompts", type=positive_int, default=64)
@@ -71,6 +79,9 @@ def run(args: argparse.Namespace) -> int:
     elif args.bench_command == "prefix":
         from qwenserve.benchmarks.prefix import bench_prefix
         result = bench_prefix(engine_config_from_args(args), args.prefix_len, args.num_prompts)
+    elif args.bench_command == "ppl":
+        from qwenserve.benchmarks.ppl import bench_ppl
+        result = bench_ppl(engine_config_from_args(args), args.file, args.context, args.stride)
     else:
         import asyncio
 
