@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import save_gguf, save_hf_dir, tiny_hf_model
 
-from qwenserve import LLM, SamplingParams, kernels
+from qwenserve import LLM, kernels
 from qwenserve.config.errors import ConfigError
 from qwenserve.model.loader.ggml_tensor import GGMLTensor
 from qwenserve.model.loader.gguf_file import GGUFFile

@@ -23,7 +23,6 @@ from qwenserve.model.loader.ggml_tensor import GGMLTensor
 from qwenserve.model.loader.gguf_file import GGUFFile
 from qwenserve.model.loader.tokenizer import load_hf_tokenizer, tokenizer_from_gguf
 
-
 logger = logging.getLogger(__name__)
 _FLOAT_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16})
 
