@@ -2,9 +2,7 @@
 ggml_mm (a linear layer on quantized weights, activations quantized per row to q8_0 / q8_K as ggml does) against a
 float64 reference of the same quantization, and against F.linear on the dequantized weight."""
 import hashlib
-import os
 import platform
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -26,16 +24,6 @@ TYPES = [Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 SCALE_OFFSETS = {Q.Q8_0: [0], Q.Q4_0: [0], Q.Q5_0: [0], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208]}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
-
-@pytest.fixture(scope="module")
-def ops():
-    if os.environ.get("QWENSERVE_CPU_KERNELS") == "0":
-        pytest.skip("CPU kernels switched off by QWENSERVE_CPU_KERNELS=0")
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
-        pytest.skip("no C++ compiler here: the engine runs on the PyTorch path, which the other tests cover")
-    ops = kernels.cpu_ops()
-    assert ops is not None, "the CPU kernels did not build here (see the warning logged by qwenserve.kernels)"
-    return ops
 
 
 def random_blocks(qtype, rows, cols, seed, scale=2.0):

@@ -27,12 +27,6 @@ def mixed_gguf(tmp_path_factory):
     return save_gguf(hf, str(tmp_path_factory.mktemp("q") / "mixed.gguf"), "Q5_0", MIXED)
 
 
-@pytest.fixture(scope="module")
-def ops():
-    if os.environ.get("QWENSERVE_CPU_KERNELS") == "0" or kernels.cpu_ops() is None:
-        pytest.skip("no CPU kernels here: the gguf method then dequantizes at load (tested below)")
-    return kernels.cpu_ops()
-
 
 def engine_model(llm):
     return llm.engine.executor.worker.model
