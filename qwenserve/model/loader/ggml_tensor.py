@@ -22,10 +22,6 @@ class GGMLTensor:
         return cls(raw.view(rows, -1), ggml_type, (rows, cols))
 
     @property
-    def block_size(self) -> int:
-        return GGML_QUANT_SIZES[self.ggml_type][0]
-
-    @property
     def nbytes(self) -> int:
         return self.raw.numel()
 
