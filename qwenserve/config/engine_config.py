@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass, field
 
 from qwenserve.config.errors import ConfigError
+from qwenserve.config.model_config import resolve_kv_cache_dtype
 
 GiB = 1 << 30
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -47,9 +48,11 @@ class LoadConfig:
     max_model_len: int | None = setting(None, "longest prompt + output in tokens "
                                               "(default: the model's max_position_embeddings)", type=int)
     device: str = setting("cpu", "torch device to run on: cpu or cuda[:N] (default: %(default)s)")
-    quantization: str | None = setting(None, "how weights are held: none (dense, in dtype) or gguf (a GGUF file's "
-                                             "quantized blocks, run by our CPU kernels); default: gguf for a "
-                                             ".gguf file, else none")
+    quantization: str | None = setting(
+        None, "how weights are held: none (dense, in dtype), gguf (a GGUF file's quantized blocks, run by our CPU "
+              "kernels), int8 / int4 (quantized at load: int8 per output channel, int4 in groups of 128), awq or "
+              "gptq (those checkpoints' own 4/8-bit weights); default: gguf for a .gguf file, awq/gptq from "
+              "config.json's quantization_config, else none")
 
 
 @dataclass(frozen=True)
@@ -57,10 +60,14 @@ class CacheConfig:
     block_size: int = setting(16, "tokens per KV block (default: %(default)s)", type=int)
     kv_cache_memory: int | str = setting(2 * GiB, "KV cache size, e.g. 2GiB or bytes (default: 2GiB)", type=str)
     enable_prefix_caching: bool = setting(True, "reuse KV blocks of repeated prompt prefixes (default: on)")
+    kv_cache_dtype: str = setting("auto", "KV cache storage: auto (the model's dtype), int8, fp8_e4m3 or fp8_e5m2 "
+                                          "(one byte a value plus a scale per token and head: about twice the "
+                                          "tokens in the same kv_cache_memory) (default: %(default)s)")
 
     def __post_init__(self):
         object.__setattr__(self, "kv_cache_memory", parse_size(self.kv_cache_memory))
         _check_positive(self, "block_size", "kv_cache_memory")
+        resolve_kv_cache_dtype(self.kv_cache_dtype)  # a bad name, or fp8 this torch lacks, fails here, not at load
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,8 @@ logger = logging.getLogger(__name__)
 QWEN2_DEFAULT_ROPE_THETA = 1_000_000.0  # Qwen2's real default; 10,000 makes long outputs drift
 ROPE_SCALING_TYPES = ("linear", "dynamic", "yarn")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# kv_cache_dtype (vLLM's values) -> the torch dtype of the cache's codes; auto: the run dtype, no codes
+KV_CACHE_DTYPES = {"auto": None, "int8": "int8", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
 
 @dataclass(frozen=True)
@@ -175,3 +177,20 @@ def resolve_dtype(dtype: str | torch.dtype | None, config: ModelConfig) -> torch
     if name not in DTYPES:
         raise ConfigError(f"dtype {dtype!r} is not supported; use one of auto, {', '.join(sorted(DTYPES))}")
     return DTYPES[name]
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str) -> torch.dtype | None:
+    """The KV cache's code dtype for a kv_cache_dtype name; None for auto (the cache holds the run dtype)."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ConfigError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported; use one of "
+                          f"{', '.join(KV_CACHE_DTYPES)}")
+    name = KV_CACHE_DTYPES[kv_cache_dtype]
+    if name is None:
+        return None
+    try:
+        dtype = getattr(torch, name)
+        torch.zeros(1).to(dtype)  # a build may name the fp8 dtypes yet not convert to them on the CPU
+        return dtype
+    except (AttributeError, RuntimeError, TypeError):
+        raise ConfigError(f"kv_cache_dtype {kv_cache_dtype!r} needs torch.{name}, which this torch "
+                          f"({torch.__version__}) does not support on the CPU") from None

@@ -8,6 +8,7 @@ import torch
 
 from qwenserve.config.engine_config import EngineConfig
 from qwenserve.config.errors import ConfigError
+from qwenserve.config.model_config import resolve_kv_cache_dtype
 from qwenserve.core.step import ModelRunnerOutput, SchedulerOutput
 from qwenserve.model.layers.attention import PagedKVCache
 from qwenserve.model.loader.model_loader import ModelSpec
@@ -31,15 +32,16 @@ class Worker:
         """As many blocks as the memory budget holds for this worker's layers and kv heads."""
         attn = self.model.model.layers[0].self_attn
         num_layers, block_size = len(self.model.model.layers), config.cache.block_size
-        per_block = PagedKVCache.bytes_per_block(num_layers, block_size, attn.num_kv_heads, attn.head_dim, spec.dtype)
+        dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype) or spec.dtype
+        per_block = PagedKVCache.bytes_per_block(num_layers, block_size, attn.num_kv_heads, attn.head_dim, dtype)
         num_blocks = config.cache.kv_cache_memory // per_block
         if num_blocks < 1:
             raise ConfigError(f"kv_cache_memory {config.cache.kv_cache_memory} bytes is less than one KV block "
                               f"({per_block} bytes for {block_size} tokens)")
-        logger.info("KV cache: %d blocks of %d tokens = %d tokens max, %.2f GiB (%s)", num_blocks, block_size,
-                    num_blocks * block_size, num_blocks * per_block / (1 << 30), str(spec.dtype).removeprefix("torch."))
-        return PagedKVCache(num_layers, num_blocks, block_size, attn.num_kv_heads, attn.head_dim, spec.dtype,
-                            self.device)
+        logger.info("KV cache: %d blocks of %d tokens = %d tokens max, %.2f GiB (%s%s)", num_blocks, block_size,
+                    num_blocks * block_size, num_blocks * per_block / (1 << 30), str(dtype).removeprefix("torch."),
+                    " codes, per-token scales" if dtype != spec.dtype else "")
+        return PagedKVCache(num_layers, num_blocks, block_size, attn.num_kv_heads, attn.head_dim, dtype, self.device)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)

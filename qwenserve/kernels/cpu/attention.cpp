@@ -4,6 +4,11 @@
 // is rounded to the activation dtype. A portable path handles every head_dim and dtype; where AVX-512 is
 // available, head_dim 32/64/128/256 take register-blocked kernels that compute the same thing (to float
 // rounding: they sum the dot products' lanes in a different order).
+//
+// The cache holds either the activation dtype or one-byte codes (int8, fp8 e4m3 / e5m2) with a float scale per
+// token and kv head (kv_cache_dtype). Codes are widened to float on the fly inside the dot products; the scales
+// factor out of them (q . (s c) = s (q . c), sum_t p_t (s_t c_t) = sum_t (p_t s_t) c_t), so they are applied to
+// the scores and to the softmax weights, once per token, not once per element.
 
 #include <ATen/Parallel.h>
 
@@ -23,17 +28,35 @@ inline void softmax(float* s, int64_t n) {
   for (int64_t i = 0; i < n; ++i) s[i] *= inv;
 }
 
+// One query head's scores over its n keys -> the weights of its n value rows, in place. For a quantized cache
+// the scores are q . codes, so each first takes its key's scale, and each weight then its value's scale
+// (k_scales, v_scales: one per token; nullptr for a cache in the activation dtype).
+inline void attention_weights(float* s, int64_t n, const float* k_scales, const float* v_scales) {
+  if (k_scales)
+    for (int64_t i = 0; i < n; ++i) s[i] *= k_scales[i];
+  softmax(s, n);
+  if (v_scales)
+    for (int64_t i = 0; i < n; ++i) s[i] *= v_scales[i];
+}
+
+// One kv head's per-token scales along a sequence's block table: scales is [blocks, block_size, kv_heads].
+inline void gather_scales(float* dst, const float* scales, const int64_t* table, int64_t len, int64_t block_size,
+                          int64_t kv_heads, int64_t kvh) {
+  for (int64_t t = 0; t < len; ++t)
+    dst[t] = scales[(table[t / block_size] * block_size + t % block_size) * kv_heads + kvh];
+}
+
 // q_g . k for the `group` query heads (float, pre-scaled) against one key row of the cache (portable path).
-template <typename T>
-inline void score_row(float* scores, int64_t stride, const float* query, const T* k, float* row, int64_t group,
+template <typename E>
+inline void score_row(float* scores, int64_t stride, const float* query, const E* k, float* row, int64_t group,
                       int64_t head_dim) {
   load_float(row, k, head_dim);
   for (int64_t g = 0; g < group; ++g) scores[g * stride] = dot(query + g * head_dim, row, head_dim);
 }
 
 // acc_g += p_g * v for the `group` query heads (portable path).
-template <typename T>
-inline void accumulate_row(float* acc, const float* probs, int64_t stride, const T* v, float* row, int64_t group,
+template <typename E>
+inline void accumulate_row(float* acc, const float* probs, int64_t stride, const E* v, float* row, int64_t group,
                            int64_t head_dim) {
   load_float(row, v, head_dim);
   for (int64_t g = 0; g < group; ++g) {
@@ -60,14 +83,14 @@ inline __m512 sum_lanes_of_16(const __m512* v) {
 }
 
 // Walks one kv head of a sequence's keys (or values) token by token through its block table.
-template <typename T>
+template <typename E>
 struct PagedRows {
-  const T* cache;
+  const E* cache;
   const int64_t* table;
   int64_t block_size, token_stride, block_stride, head_offset;
   int64_t block = 0, offset = 0;
-  const T* next() {
-    const T* row = cache + table[block] * block_stride + offset * token_stride + head_offset;
+  const E* next() {
+    const E* row = cache + table[block] * block_stride + offset * token_stride + head_offset;
     if (++offset == block_size) offset = 0, ++block;
     return row;
   }
@@ -75,14 +98,15 @@ struct PagedRows {
 
 // One (sequence, kv head) task for head_dim = 16 * C. Scores are made 16 keys at a time, from their float rows
 // staged in L1 and reused by every query head; the weighted value sums keep up to 16 accumulators in registers.
-template <typename T, int C>
+// T: the activation dtype; E: the cache's element type (T, or codes scaled by k_scales / v_scales).
+template <typename T, typename E, int C>
 void decode_task_avx512(T* out, const float* query, float* scores, float* staged, int64_t len, int64_t group,
-                        PagedRows<T> keys, PagedRows<T> values) {
+                        PagedRows<E> keys, PagedRows<E> values, const float* k_scales, const float* v_scales) {
   constexpr int D = C * 16;
   for (int64_t t0 = 0; t0 < len; t0 += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, len - t0));
     for (int j = 0; j < 16; ++j) {
-      const T* k = j < n ? keys.next() : nullptr;
+      const E* k = j < n ? keys.next() : nullptr;
       for (int c = 0; c < C; ++c)
         _mm512_storeu_ps(staged + j * D + c * 16, k ? load16(k + c * 16) : _mm512_setzero_ps());
     }
@@ -97,7 +121,7 @@ void decode_task_avx512(T* out, const float* query, float* scores, float* staged
       _mm512_mask_storeu_ps(scores + g * len + t0, static_cast<__mmask16>((1u << n) - 1), sum_lanes_of_16(acc));
     }
   }
-  for (int64_t g = 0; g < group; ++g) softmax(scores + g * len, len);
+  for (int64_t g = 0; g < group; ++g) attention_weights(scores + g * len, len, k_scales, v_scales);
 
   constexpr int kHeadsPerPass = C >= 16 ? 1 : 16 / C;
   for (int64_t g0 = 0; g0 < group; g0 += kHeadsPerPass) {
@@ -105,9 +129,9 @@ void decode_task_avx512(T* out, const float* query, float* scores, float* staged
     __m512 acc[kHeadsPerPass][C];
     for (int h = 0; h < kHeadsPerPass; ++h)
       for (int c = 0; c < C; ++c) acc[h][c] = _mm512_setzero_ps();
-    PagedRows<T> rows = values;
+    PagedRows<E> rows = values;
     for (int64_t t = 0; t < len; ++t) {
-      const T* v = rows.next();
+      const E* v = rows.next();
       __m512 value[C];
       for (int c = 0; c < C; ++c) value[c] = load16(v + c * 16);
       for (int h = 0; h < kHeadsPerPass; ++h) {
@@ -127,17 +151,23 @@ void decode_task_avx512(T* out, const float* query, float* scores, float* staged
 }
 
 // The AVX-512 task for this head_dim if there is one (false: take the portable path).
-template <typename T>
+template <typename T, typename E>
 bool decode_task_fast(int64_t head_dim, T* out, const float* query, float* scores, float* staged, int64_t len,
-                      int64_t group, PagedRows<T> keys, PagedRows<T> values) {
-  if constexpr (!kWideLoad<T>) {
+                      int64_t group, PagedRows<E> keys, PagedRows<E> values, const float* k_scales,
+                      const float* v_scales) {
+  if constexpr (!kWideLoad<E>) {
     return false;
   } else {
+    const auto task = [&](auto c) {
+      decode_task_avx512<T, E, decltype(c)::value>(out, query, scores, staged, len, group, keys, values, k_scales,
+                                                   v_scales);
+      return true;
+    };
     switch (head_dim) {
-      case 32: decode_task_avx512<T, 2>(out, query, scores, staged, len, group, keys, values); return true;
-      case 64: decode_task_avx512<T, 4>(out, query, scores, staged, len, group, keys, values); return true;
-      case 128: decode_task_avx512<T, 8>(out, query, scores, staged, len, group, keys, values); return true;
-      case 256: decode_task_avx512<T, 16>(out, query, scores, staged, len, group, keys, values); return true;
+      case 32: return task(std::integral_constant<int, 2>{});
+      case 64: return task(std::integral_constant<int, 4>{});
+      case 128: return task(std::integral_constant<int, 8>{});
+      case 256: return task(std::integral_constant<int, 16>{});
       default: return false;
     }
   }
@@ -146,15 +176,17 @@ bool decode_task_fast(int64_t head_dim, T* out, const float* query, float* score
 
 // One task = one sequence x one kv head: every query head of the group reads each key and value once, in
 // place in its cache block (no gather, no padding to the batch's longest context). `row` is scratch: one
-// float row on the portable path, 16 staged keys on the AVX-512 one.
-template <typename T>
-void paged_decode_impl(T* out, const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache,
-                       const int64_t* block_tables, int64_t table_width, const int64_t* context_lens, int64_t batch,
-                       int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale) {
+// float row on the portable path, 16 staged keys on the AVX-512 one. E is the cache's element type: T, or
+// codes with their scales in k_scales / v_scales ([blocks, block_size, kv_heads]; nullptr for T).
+template <typename T, typename E>
+void paged_decode_impl(T* out, const T* q, int64_t q_row_stride, const E* k_cache, const E* v_cache,
+                       const float* k_scales, const float* v_scales, const int64_t* block_tables,
+                       int64_t table_width, const int64_t* context_lens, int64_t batch, int64_t heads,
+                       int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale) {
   const int64_t group = heads / kv_heads;
   const int64_t token_stride = kv_heads * head_dim, block_stride = block_size * token_stride;
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> query(group * head_dim), acc(group * head_dim), scores, row(16 * head_dim);
+    std::vector<float> query(group * head_dim), acc(group * head_dim), scores, row(16 * head_dim), ks, vs;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / kv_heads, kvh = task % kv_heads, len = context_lens[b];
       const int64_t* table = block_tables + b * table_width;
@@ -163,24 +195,32 @@ void paged_decode_impl(T* out, const T* q, int64_t q_row_stride, const T* k_cach
         for (int64_t i = 0; i < head_dim; ++i) query[g * head_dim + i] = static_cast<float>(qh[i]) * scale;
       }
       scores.resize(group * len);  // [group, len]
+      if (k_scales) {
+        ks.resize(len), vs.resize(len);
+        gather_scales(ks.data(), k_scales, table, len, block_size, kv_heads, kvh);
+        gather_scales(vs.data(), v_scales, table, len, block_size, kv_heads, kvh);
+      }
+      const float* k_scale = k_scales ? ks.data() : nullptr;
+      const float* v_scale = v_scales ? vs.data() : nullptr;
       T* task_out = out + (b * heads + kvh * group) * head_dim;
 #if defined(__AVX512F__)
-      PagedRows<T> keys{k_cache, table, block_size, token_stride, block_stride, kvh * head_dim};
-      PagedRows<T> values{v_cache, table, block_size, token_stride, block_stride, kvh * head_dim};
-      if (decode_task_fast(head_dim, task_out, query.data(), scores.data(), row.data(), len, group, keys, values))
+      PagedRows<E> keys{k_cache, table, block_size, token_stride, block_stride, kvh * head_dim};
+      PagedRows<E> values{v_cache, table, block_size, token_stride, block_stride, kvh * head_dim};
+      if (decode_task_fast(head_dim, task_out, query.data(), scores.data(), row.data(), len, group, keys, values,
+                           k_scale, v_scale))
         continue;
 #endif
       for (int64_t t0 = 0, blk = 0; t0 < len; t0 += block_size, ++blk) {
         const int64_t n = std::min(block_size, len - t0);
-        const T* k = k_cache + table[blk] * block_stride + kvh * head_dim;
+        const E* k = k_cache + table[blk] * block_stride + kvh * head_dim;
         for (int64_t j = 0; j < n; ++j)
           score_row(scores.data() + t0 + j, len, query.data(), k + j * token_stride, row.data(), group, head_dim);
       }
-      for (int64_t g = 0; g < group; ++g) softmax(scores.data() + g * len, len);
+      for (int64_t g = 0; g < group; ++g) attention_weights(scores.data() + g * len, len, k_scale, v_scale);
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t t0 = 0, blk = 0; t0 < len; t0 += block_size, ++blk) {
         const int64_t n = std::min(block_size, len - t0);
-        const T* v = v_cache + table[blk] * block_stride + kvh * head_dim;
+        const E* v = v_cache + table[blk] * block_stride + kvh * head_dim;
         for (int64_t j = 0; j < n; ++j)
           accumulate_row(acc.data(), scores.data() + t0 + j, len, v + j * token_stride, row.data(), group, head_dim);
       }
@@ -195,9 +235,11 @@ void paged_decode_impl(T* out, const T* q, int64_t q_row_stride, const T* k_cach
 }  // namespace
 
 // out: [B, heads, head_dim]; q: [B, heads, head_dim] (rows may be strided); caches: [blocks, block_size,
-// kv_heads, head_dim]; block_tables: [B, width] int64; context_lens: [B] int64 (keys visible to each query).
+// kv_heads, head_dim] in q's dtype, or int8 / fp8 codes with float32 scales [blocks, block_size, kv_heads];
+// block_tables: [B, width] int64; context_lens: [B] int64 (keys visible to each query).
 void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                            const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+                            const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                            const std::optional<at::Tensor>& k_scales, const std::optional<at::Tensor>& v_scales) {
   check_cpu_contiguous_rows(q, "q");
   TORCH_CHECK(q.dim() == 3 && q.stride(1) == q.size(2), "paged_decode_attention: q must be [B, heads, head_dim]");
   TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "paged_decode_attention: out must be like q, contiguous");
@@ -208,17 +250,37 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
               block_tables.size(0) == q.size(0), "paged_decode_attention: block_tables must be int64 [B, width]");
   TORCH_CHECK(context_lens.scalar_type() == at::kLong && context_lens.is_contiguous() &&
               context_lens.numel() == q.size(0), "paged_decode_attention: context_lens must be int64 [B]");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == out.scalar_type(),
-              "paged_decode_attention: dtype mismatch");
+  const at::ScalarType codes = k_cache.scalar_type();
+  const bool quantized = codes == at::kChar || codes == at::kFloat8_e4m3fn || codes == at::kFloat8_e5m2;
+  TORCH_CHECK(q.scalar_type() == out.scalar_type() && v_cache.scalar_type() == codes &&
+              (quantized || codes == q.scalar_type()), "paged_decode_attention: dtype mismatch");
+  TORCH_CHECK(k_scales.has_value() == quantized && v_scales.has_value() == quantized,
+              "paged_decode_attention: int8 / fp8 caches need k_scales and v_scales, other caches none");
+  for (const auto* s : {&k_scales, &v_scales})
+    TORCH_CHECK(!quantized || ((*s)->scalar_type() == at::kFloat && (*s)->is_contiguous() &&
+                               (*s)->sizes() == k_cache.sizes().slice(0, 3)),
+                "paged_decode_attention: scales must be contiguous float32 [blocks, block_size, kv_heads]");
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   for (int64_t b = 0; b < q.size(0); ++b)
     TORCH_CHECK(lens[b] >= 1 && lens[b] <= block_tables.size(1) * k_cache.size(1),
                 "paged_decode_attention: context length out of the block table's range");
+  const float* ks = quantized ? k_scales->data_ptr<float>() : nullptr;
+  const float* vs = quantized ? v_scales->data_ptr<float>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    paged_decode_impl<scalar_t>(out.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), q.stride(0),
-                                k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                                block_tables.data_ptr<int64_t>(), block_tables.size(1), lens, q.size(0), q.size(1),
-                                k_cache.size(2), q.size(2), k_cache.size(1), static_cast<float>(scale));
+    const auto run = [&](auto element) {
+      using E = decltype(element);
+      paged_decode_impl<scalar_t, E>(out.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), q.stride(0),
+                                     k_cache.data_ptr<E>(), v_cache.data_ptr<E>(), ks, vs,
+                                     block_tables.data_ptr<int64_t>(), block_tables.size(1), lens, q.size(0),
+                                     q.size(1), k_cache.size(2), q.size(2), k_cache.size(1),
+                                     static_cast<float>(scale));
+    };
+    switch (codes) {
+      case at::kChar: return run(int8_t{});
+      case at::kFloat8_e4m3fn: return run(c10::Float8_e4m3fn{});
+      case at::kFloat8_e5m2: return run(c10::Float8_e5m2{});
+      default: return run(scalar_t{});
+    }
   });
 }
 

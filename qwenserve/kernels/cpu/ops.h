@@ -18,7 +18,8 @@ void rotary_embedding(at::Tensor& qkv, const at::Tensor& positions, const at::Te
 void silu_and_mul(at::Tensor& out, const at::Tensor& x);
 // attention.cpp
 void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                            const at::Tensor& block_tables, const at::Tensor& context_lens, double scale);
+                            const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                            const std::optional<at::Tensor>& k_scales, const std::optional<at::Tensor>& v_scales);
 // sampling.cpp
 at::Tensor argmax_rows(const at::Tensor& logits);
 // ggml_quants.cpp (ggml types: Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14)

@@ -68,6 +68,29 @@ inline void load_float(float* dst, const T* src, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
+// An fp8 code (kMantissa bits, exponent bias kBias) as a float, from integer ops and a bit mask so loops over it
+// vectorise (c10's conversion branches); exact, with no float denormal on the way (flush-to-zero would zero it).
+// The formats' inf / NaN codes read as large finite numbers: a KV cache never holds them (codes are clamped).
+template <int kMantissa, int kBias>
+inline float fp8_to_float(uint8_t code) {
+  const uint32_t magnitude = code & 0x7Fu;
+  const float subnormal = static_cast<float>(magnitude) * (1.0f / static_cast<float>(1u << (kBias + kMantissa - 1)));
+  uint32_t subnormal_bits;
+  std::memcpy(&subnormal_bits, &subnormal, sizeof(subnormal_bits));
+  const uint32_t normal_bits = (magnitude << (23 - kMantissa)) + ((127u - kBias) << 23);
+  const uint32_t normal = 0u - static_cast<uint32_t>(magnitude >> kMantissa != 0);  // all ones: a normal code
+  const uint32_t bits = (normal_bits & normal) | (subnormal_bits & ~normal) | ((code & 0x80u) << 24);
+  float value;
+  std::memcpy(&value, &bits, sizeof(value));
+  return value;
+}
+inline void load_float(float* dst, const c10::Float8_e4m3fn* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = fp8_to_float<3, 7>(src[i].x);
+}
+inline void load_float(float* dst, const c10::Float8_e5m2* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = fp8_to_float<2, 15>(src[i].x);
+}
+
 inline float dot(const float* a, const float* b, int64_t n) {
   float acc[kLanes] = {0};
   int64_t i = 0;
@@ -117,6 +140,26 @@ inline __m512 load16(const c10::BFloat16* p) {
 }
 inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+// KV cache codes (kv_cache_dtype): widened exactly; their scales are applied by the caller.
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m256i load16_bytes_as_u16(const void* p) {
+  return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+// e5m2 is the top byte of a float16
+inline __m512 load16(const c10::Float8_e5m2* p) {
+  return _mm512_cvtph_ps(_mm256_slli_epi16(load16_bytes_as_u16(p), 8));
+}
+// e4m3fn (bias 7) as a float16 (bias 15): sign to bit 15, exponent and mantissa to bits 7-13, then x 2^8 for the
+// bias; its subnormals become float16 subnormals, which the conversion widens exactly. (Its NaN, 0x7f, reads as
+// 480; the cache never holds one: codes are clamped to +-448.)
+inline __m512 load16(const c10::Float8_e4m3fn* p) {
+  const __m256i b = load16_bytes_as_u16(p);
+  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                                    _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7));
+  return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
 }
 // element types with a 16-wide AVX-512 load above (double takes the portable path)
 template <typename T>

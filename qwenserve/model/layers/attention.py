@@ -1,7 +1,9 @@
 """Attention over the paged KV cache for one flat batch of sequences.
 
 The cache of each layer is two tensors of [num_blocks, block_size, kv_heads, head_dim] (`PagedKVCache`, owned
-by the worker). Each step the model runner describes its batch once (`AttentionMetadata`: where the new K/V
+by the worker): in the run dtype, or (kv_cache_dtype) int8 / fp8 codes with a float32 scale per token and kv head
+beside them; the cache picks its write and gather once, when built, and the decode kernel reads codes and scales
+in place. Each step the model runner describes its batch once (`AttentionMetadata`: where the new K/V
 go, which blocks each sequence reads); every attention layer then writes the batch's new K/V into their
 slots and reads each sequence's keys through its block table:
 - decode tokens (one new token per sequence): with the CPU kernel, one pass that reads each sequence's keys
@@ -20,18 +22,84 @@ from torch import nn
 from qwenserve.kernels import cpu_ops_for
 
 
+def is_quantized(dtype: torch.dtype) -> bool:
+    """Whether a cache of this dtype holds one-byte codes (int8, fp8) with per-token, per-head scales."""
+    return dtype.itemsize == 1
+
+
+def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., head_dim] -> (codes in dtype, float32 scales [...]): scale = amax(|x|) / the code's largest value,
+    int8 rounded to nearest; a zero vector gets scale 0 and codes 0."""
+    x = x.float()
+    top = torch.finfo(dtype).max if dtype.is_floating_point else torch.iinfo(dtype).max
+    scale = x.abs().amax(dim=-1) / top
+    y = x / torch.where(scale > 0, scale, 1.0).unsqueeze(-1)
+    if not dtype.is_floating_point:
+        y = y.round()
+    return y.clamp_(-top, top).to(dtype), scale  # clamp: amax / scale may round just past top (e5m2 -> inf)
+
+
+def dequantize_kv(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """codes [..., head_dim] and scales [..., 1] (broadcast) -> values in dtype."""
+    return (codes.float() * scales).to(dtype)
+
+
+def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
+    """[..., blocks] block ids -> [..., kv_heads, length, d] keys or values."""
+    num_blocks, block_size, kv_heads, d = cache.shape
+    # index_select over whole blocks: about 9x faster on CPU than advanced indexing with a 2-D index
+    g = cache.view(num_blocks, -1).index_select(0, block_tables.reshape(-1))
+    g = g.view(*block_tables.shape[:-1], block_tables.shape[-1] * block_size, kv_heads, d)[..., :length, :, :]
+    return g.transpose(-3, -2)
+
+
 class PagedKVCache:
+    """Per layer, K and V of [num_blocks, block_size, kv_heads, head_dim] in `dtype`; for int8 / fp8 those are
+    codes, and k_scales / v_scales hold their float32 scales [num_blocks, block_size, kv_heads] (else None)."""
+
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu"):
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         # zeros, not empty: padded reads of never-written slots must be finite (they are masked, but NaN * 0 = NaN)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        quantized = is_quantized(dtype)
+
+        def scales():  # float32 whatever the default dtype (the loader sets it to the run dtype)
+            return torch.zeros(shape[:3], dtype=torch.float32, device=device) if quantized else None
+        self.k_scales = [scales() for _ in range(num_layers)]
+        self.v_scales = [scales() for _ in range(num_layers)]
         self.block_size = block_size
+        self.write = self._write_quantized if quantized else self._write
+        self.gather = self._gather_dequantized if quantized else self._gather
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+        per_head = head_dim * dtype.itemsize + (4 if is_quantized(dtype) else 0)  # codes + a float32 scale
+        return 2 * num_layers * block_size * num_kv_heads * per_head
+
+    def _write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """This step's k/v [T, kv_heads, head_dim] into their slots."""
+        for cache, x in ((self.k[layer], k), (self.v[layer], v)):
+            cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, x)
+
+    def _write_quantized(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        for cache, scales, x in ((self.k[layer], self.k_scales[layer], k), (self.v[layer], self.v_scales[layer], v)):
+            codes, scale = quantize_kv(x, cache.dtype)
+            # copied as bytes: index_copy_ has no fp8 kernel on the CPU
+            cache.view(torch.uint8).view(-1, *cache.shape[2:]).index_copy_(0, slots, codes.view(torch.uint8))
+            scales.view(-1, scales.shape[2]).index_copy_(0, slots, scale)
+
+    def _gather(self, layer: int, block_tables: torch.Tensor, length: int, dtype: torch.dtype):
+        """(keys, values) [..., kv_heads, length, head_dim] of the blocks in block_tables, in dtype (the query's,
+        which a plain cache already holds)."""
+        return gather_blocks(self.k[layer], block_tables, length), gather_blocks(self.v[layer], block_tables, length)
+
+    def _gather_dequantized(self, layer: int, block_tables: torch.Tensor, length: int, dtype: torch.dtype):
+        return tuple(dequantize_kv(gather_blocks(codes, block_tables, length),
+                                   gather_blocks(scales.unsqueeze(-1), block_tables, length), dtype)
+                     for codes, scales in ((self.k[layer], self.k_scales[layer]),
+                                           (self.v[layer], self.v_scales[layer])))
 
 
 @dataclass
@@ -81,43 +149,33 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_metadata: AttentionMetadata):
         """q: [T, heads, head_dim], k/v: [T, kv_heads, head_dim] (this step's tokens) -> [T, heads * head_dim]."""
         md = attn_metadata
-        k_cache, v_cache = md.kv_cache.k[self.layer_idx], md.kv_cache.v[self.layer_idx]
-        flat_k, flat_v = k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:])
-        flat_k.index_copy_(0, md.slot_mapping, k)
-        flat_v.index_copy_(0, md.slot_mapping, v)
+        cache = md.kv_cache
+        cache.write(self.layer_idx, md.slot_mapping, k, v)
 
         if len(md.decode) == 1 and md.decode[0].token_index is None:  # decode tokens only, one group
-            out = self._decode(q, k_cache, v_cache, md.decode[0])
+            out = self._decode(q, cache, md.decode[0])
         else:
             out = torch.empty_like(q)
             for d in md.decode:
-                out[d.token_index] = self._decode(q[d.token_index], k_cache, v_cache, d)
+                out[d.token_index] = self._decode(q[d.token_index], cache, d)
             for span in md.prefills:
-                out[span.start:span.end] = self._prefill(q, k, v, k_cache, v_cache, span)
+                out[span.start:span.end] = self._prefill(q, k, v, cache, span)
         return out.reshape(q.shape[0], -1)
 
-    @staticmethod
-    def _gather(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
-        """[..., blocks] block ids -> [..., kv_heads, length, d] keys or values."""
-        num_blocks, block_size, kv_heads, d = cache.shape
-        # index_select over whole blocks: about 9x faster on CPU than advanced indexing with a 2-D index
-        g = cache.view(num_blocks, -1).index_select(0, block_tables.reshape(-1))
-        g = g.view(*block_tables.shape[:-1], block_tables.shape[-1] * block_size, kv_heads, d)[..., :length, :, :]
-        return g.transpose(-3, -2)
-
-    def _decode_kernel(self, q, k_cache, v_cache, d: DecodeGroup):
+    def _decode_kernel(self, q, cache: PagedKVCache, d: DecodeGroup):
         out = q.new_empty(q.shape)
-        self._ops.paged_decode_attention(out, q, k_cache, v_cache, d.block_tables, d.context_lens, self.scale)
+        i = self.layer_idx
+        self._ops.paged_decode_attention(out, q, cache.k[i], cache.v[i], d.block_tables, d.context_lens, self.scale,
+                                         cache.k_scales[i], cache.v_scales[i])
         return out
 
-    def _decode_sdpa(self, q, k_cache, v_cache, d: DecodeGroup):
-        keys = self._gather(k_cache, d.block_tables, d.context_len)  # [B, kv_heads, S, d]
-        values = self._gather(v_cache, d.block_tables, d.context_len)
+    def _decode_sdpa(self, q, cache: PagedKVCache, d: DecodeGroup):
+        keys, values = cache.gather(self.layer_idx, d.block_tables, d.context_len, q.dtype)  # [B, kv_heads, S, d]
         out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=d.mask, scale=self.scale,
                                              enable_gqa=True)  # [B, heads, 1, d]
         return out.squeeze(2)
 
-    def _prefill(self, q, k, v, k_cache, v_cache, span: PrefillSpan):
+    def _prefill(self, q, k, v, cache: PagedKVCache, span: PrefillSpan):
         query = q[span.start:span.end].transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
         n = span.end - span.start
         if span.block_table is None:
@@ -126,8 +184,8 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(query, keys, values, is_causal=n > 1, scale=self.scale,
                                                  enable_gqa=True)
         else:
-            keys = self._gather(k_cache, span.block_table, span.context_len).unsqueeze(0)
-            values = self._gather(v_cache, span.block_table, span.context_len).unsqueeze(0)
+            keys, values = (x.unsqueeze(0) for x in cache.gather(self.layer_idx, span.block_table,
+                                                                  span.context_len, q.dtype))
             past = span.context_len - n  # query i sits at position past + i and sees keys 0..past + i
             mask = torch.ones(n, span.context_len, dtype=torch.bool, device=q.device).tril(diagonal=past)
             out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=self.scale,
