@@ -19,9 +19,9 @@ from qwenserve import kernels
 from qwenserve.model.loader.dequant import dequantize
 
 Q = GGMLQuantizationType
-TYPES = [Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 # where each block format keeps its fp16 scale(s): random bytes there could be inf/nan
-SCALE_OFFSETS = {Q.Q8_0: [0], Q.Q4_0: [0], Q.Q5_0: [0], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208]}
+SCALE_OFFSETS = {Q.Q8_0: [0], Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208]}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 

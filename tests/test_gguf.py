@@ -14,7 +14,7 @@ from helpers import save_gguf, tiny_hf_model
 
 Q = GGMLQuantizationType
 # where each block format keeps its fp16 scale(s): random bytes there could be inf/nan
-SCALE_OFFSETS = {Q.Q8_0: [0], Q.Q4_0: [0], Q.Q5_0: [0], Q.Q4_K: [0, 2], Q.Q6_K: [208], Q.Q5_K: [0, 2],
+SCALE_OFFSETS = {Q.Q8_0: [0], Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q4_K: [0, 2], Q.Q6_K: [208], Q.Q5_K: [0, 2],
                  Q.Q2_K: [80, 82], Q.Q3_K: [108]}
 
 

@@ -75,11 +75,13 @@ def test_bad_quantization_settings_name_the_problem(tmp_path, mixed_gguf):
     hf_dir = save_hf_dir(tiny_hf_model(seed=62), str(tmp_path / "hf"))
     with pytest.raises(ConfigError, match="quantization gguf runs a GGUF file's blocks, but .* is not a GGUF"):
         LLM(hf_dir, quantization="gguf")
-    with pytest.raises(ConfigError, match="quantization 'int3' is not supported; use one of none, gguf"):
+    with pytest.raises(ConfigError, match="quantization 'int3' is not supported; use one of none, gguf, int8, int4, awq, gptq"):
         LLM(mixed_gguf, quantization="int3")
     config_path = os.path.join(hf_dir, "config.json")
     config = json.load(open(config_path))
-    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128}
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     json.dump(config, open(config_path, "w"))
-    with pytest.raises(ConfigError, match="holds 'awq'-quantized weights"):
+    with pytest.raises(ConfigError, match="holds 'bitsandbytes'-quantized weights .* it loads: awq, gptq"):
         LLM(hf_dir)
+    with pytest.raises(ConfigError, match="quantization awq loads AWQ checkpoints, but .* is gguf-quantized"):
+        LLM(mixed_gguf, quantization="awq")

@@ -1,7 +1,8 @@
-"""`qwenserve bench ...`: measurements, never tests (throughput, latency, prefix, ppl, load, serve)."""
+"""`qwenserve bench ...`: measurements, never tests (throughput, latency, prefix, ppl, kernels, load, serve)."""
 from __future__ import annotations
 
 import argparse
+import json
 
 from qwenserve.entrypoints.cli.engine_args import add_engine_args, engine_config_from_args, positive_int
 
@@ -48,6 +49,12 @@ def register(sub) -> None:
                      help="tokens scored per window after the first (default: %(default)s)")
     ppl.add_argument("--json", action="store_true")
 
+    kern = bench_sub.add_parser("kernels", help="every weight shape of the model: our matmul against the alternatives")
+    add_engine_args(kern, only=("model", "dtype", "max_model_len", "device", "quantization"))
+    kern.add_argument("--rows", type=positive_int, nargs="+", default=[1, 8, 32, 512],
+                      help="batch rows M to time (default: 1 8 32 512)")
+    kern.add_argument("--json", action="store_true")
+
     srv = bench_sub.add_parser("serve", help="drive a running OpenAI-compatible server with streaming requests")
     srv.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (without /v1)")
     srv.add_argument("--num-prompts", type=positive_int, default=64)
@@ -79,6 +86,11 @@ def run(args: argparse.Namespace) -> int:
     elif args.bench_command == "prefix":
         from qwenserve.benchmarks.prefix import bench_prefix
         result = bench_prefix(engine_config_from_args(args), args.prefix_len, args.num_prompts)
+    elif args.bench_command == "kernels":
+        from qwenserve.benchmarks.kernels import bench_kernels, format_table
+        result = bench_kernels(engine_config_from_args(args), tuple(args.rows))
+        print(json.dumps(result) if args.json else format_table(result))
+        return 0
     elif args.bench_command == "ppl":
         from qwenserve.benchmarks.ppl import bench_ppl
         result = bench_ppl(engine_config_from_args(args), args.file, args.context, args.stride)

@@ -1,18 +1,20 @@
 // Linear layers straight on ggml-quantized weights (ggml_mm) and ggml block decoding (ggml_dequantize), for
-// Q4_0, Q5_0, Q8_0 (blocks of 32) and Q4_K, Q5_K, Q6_K (super-blocks of 256).
+// Q4_0, Q4_1, Q5_0, Q8_0 (blocks of 32) and Q4_K, Q5_K, Q6_K (super-blocks of 256).
 //
 // ggml_mm works as llama.cpp does on the CPU: every activation row is quantized once per call, to blocks of 32
 // int8 with one scale (q8_0, for the 32-blocks) or of 256 with one fp32 scale and sums of 16 (q8_K, for the
 // K-quants), exactly as ggml's reference quantizers; each (weight block, activation block) pair then gives an
 // exact integer dot product, which is scaled and accumulated in float. Weight codes stay unsigned (0..15, 0..31,
-// 0..63) and their offsets (-8, -16, -32, -dmin * min) are folded in through the activation block sums, so the
-// AVX2 path needs one _mm256_maddubs_epi16 (u8 x s8) per 32 weights; only Q8_0 weights are signed (sign trick).
+// 0..63) and their offsets (-8, -16, -32 in integers; Q4_1's m and the K-quants' -dmin * min in float) are folded
+// in through the activation block sums, so the AVX2 path needs one _mm256_maddubs_epi16 (u8 x s8) per 32
+// weights; only Q8_0 weights are signed (sign trick).
 // The portable scalar path computes the same integer sum per block; the two differ only in float summation order.
 // Work is split over weight rows (each weight byte is read once per call: decode is memory-bound), and every
 // decoded weight block serves up to 4 activation rows.
 //
 // Block layouts (ggml-common.h; all fields little-endian, fp16 = IEEE half):
 //   Q4_0  18 B: d fp16, qs[16]: weight j = qs[j] & 15, weight j+16 = qs[j] >> 4;          x = d (q - 8)
+//   Q4_1  20 B: d, m fp16, qs[16] as Q4_0;                                                x = d q + m
 //   Q5_0  22 B: d, qh[4] (bit i of the LE uint32 = 5th bit of weight i), qs[16] as Q4_0;  x = d (q - 16)
 //   Q8_0  34 B: d, qs[32] int8;                                                          x = d q
 //   Q4_K 144 B: d, dmin, scales[12] (8 six-bit scales and mins), qs[128]: chunk c of 32 bytes holds sub-blocks
@@ -23,7 +25,8 @@
 //               ql[64h+32+l], ql[64h+l], ql[64h+32+l], each | 2 bits (0, 2, 4, 6) of qh[32h+l] << 4;
 //                                                                          x = d scales[i / 16] (q - 32)
 // ggml_dequantize reproduces qwenserve/model/loader/dequant.py bit for bit: every product there is exact in
-// float32 (an fp16 mantissa times integers of at most 13 bits), so only the K-quants' final subtraction rounds.
+// float32 (an fp16 mantissa times integers of at most 13 bits), so only the final addition of Q4_1's m and the
+// K-quants' final subtraction round, once (the same whether or not the compiler fuses them into an fma).
 
 #include <ATen/Parallel.h>
 
@@ -50,7 +53,7 @@
 namespace qwenserve::cpu {
 namespace {
 
-enum GgmlType : int64_t { kQ4_0 = 2, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+enum GgmlType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
 
 struct BlockInfo {
   int64_t elems, bytes;
@@ -59,6 +62,7 @@ struct BlockInfo {
 BlockInfo block_info(int64_t type) {
   switch (type) {
     case kQ4_0: return {32, 18};
+    case kQ4_1: return {32, 20};
     case kQ5_0: return {32, 22};
     case kQ8_0: return {32, 34};
     case kQ4_K: return {256, 144};
@@ -66,7 +70,8 @@ BlockInfo block_info(int64_t type) {
     case kQ6_K: return {256, 210};
     default: break;
   }
-  TORCH_CHECK(false, "ggml type ", type, " is not supported (Q4_0=2, Q5_0=6, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14)");
+  TORCH_CHECK(false, "ggml type ", type,
+              " is not supported (Q4_0=2, Q4_1=3, Q5_0=6, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14)");
 }
 
 inline float fp16_at(const uint8_t* p) {
@@ -81,19 +86,18 @@ inline float fp16_at(const uint8_t* p) {
 // ---------------------------------------------------------------------------------------------------------------
 // Weight codes, one block at a time (the portable decoders, shared by ggml_dequantize and the scalar dot products)
 
-void codes_q4_0(const uint8_t* b, int32_t* q) {
+// Q4_0, Q4_1 (and Q5_0's low 4 bits): 16 packed bytes -> 32 codes, the low nibbles then the high nibbles
+void codes_nibbles(const uint8_t* qs, int32_t* q) {
   for (int j = 0; j < 16; ++j) {
-    q[j] = b[2 + j] & 0x0F;
-    q[j + 16] = b[2 + j] >> 4;
+    q[j] = qs[j] & 0x0F;
+    q[j + 16] = qs[j] >> 4;
   }
 }
 
 void codes_q5_0(const uint8_t* b, int32_t* q) {
   const uint32_t h = b[2] | (b[3] << 8) | (b[4] << 16) | (static_cast<uint32_t>(b[5]) << 24);
-  for (int j = 0; j < 16; ++j) {
-    q[j] = (b[6 + j] & 0x0F) | (((h >> j) & 1) << 4);
-    q[j + 16] = (b[6 + j] >> 4) | (((h >> (j + 16)) & 1) << 4);
-  }
+  codes_nibbles(b + 6, q);
+  for (int j = 0; j < 32; ++j) q[j] |= ((h >> j) & 1) << 4;
 }
 
 void codes_q8_0(const uint8_t* b, int32_t* q) {
@@ -144,10 +148,16 @@ void dequantize_block(int64_t type, const uint8_t* b, float* out) {
     case kQ8_0: {
       const float d = fp16_at(b);
       const int off = type == kQ4_0 ? 8 : type == kQ5_0 ? 16 : 0;
-      if (type == kQ4_0) codes_q4_0(b, q);
+      if (type == kQ4_0) codes_nibbles(b + 2, q);
       else if (type == kQ5_0) codes_q5_0(b, q);
       else codes_q8_0(b, q);
       for (int j = 0; j < 32; ++j) out[j] = static_cast<float>(q[j] - off) * d;
+      break;
+    }
+    case kQ4_1: {
+      const float d = fp16_at(b), m = fp16_at(b + 2);
+      codes_nibbles(b + 4, q);
+      for (int j = 0; j < 32; ++j) out[j] = static_cast<float>(q[j]) * d + m;
       break;
     }
     case kQ4_K:
@@ -289,53 +299,57 @@ inline __m256i fifth_bits32(uint32_t h) {
 }
 #endif
 
-// Q4_0 and Q5_0: unsigned codes; sum (q - off) y = sum q y - off * sum y, the correction in integers
+// Q4_0, Q4_1 and Q5_0: unsigned codes. Q4_0, Q5_0: sum (q - off) y = sum q y - off * sum y, the correction in
+// integers; Q4_1: sum (d q + m) y = d sum q y + m sum y, the min's term in float (m dy sum y per block).
 template <int64_t Type>
 struct LegacyUnsigned {
-  static constexpr int64_t kBlock = 32, kBytes = Type == kQ4_0 ? 18 : 22;
-  static constexpr int32_t kOff = Type == kQ4_0 ? 8 : 16;
+  static constexpr int kQs = Type == kQ4_0 ? 2 : Type == kQ4_1 ? 4 : 6;  // where the packed nibbles start
+  static constexpr int64_t kBlock = 32, kBytes = kQs + 16;
+  static constexpr int32_t kOff = Type == kQ4_0 ? 8 : Type == kQ5_0 ? 16 : 0;
   using Act = ActQ8_0;
 
   template <int R>
   static void dot(const uint8_t* w, int64_t nb, const Act* const* y, float* res) {
+    float accm[R] = {};  // Q4_1's min terms
 #if QS_GGML_AVX2
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* blk = w + b * kBytes;
-      const float dw = fp16_at(blk);
-      __m256i q;
-      if constexpr (Type == kQ4_0) {
-        q = nibbles32(blk + 2);
-      } else {
+      const float dw = fp16_at(blk), mw = Type == kQ4_1 ? fp16_at(blk + 2) : 0.0f;
+      __m256i q = nibbles32(blk + kQs);
+      if constexpr (Type == kQ5_0) {
         uint32_t h;
         std::memcpy(&h, blk + 2, 4);  // x86: little-endian
-        q = _mm256_or_si256(nibbles32(blk + 6), fifth_bits32(h));
+        q = _mm256_or_si256(q, fifth_bits32(h));
       }
       for (int r = 0; r < R; ++r) {
         const Act& a = y[r][b];
-        const __m256i s = _mm256_sub_epi32(dot_u8s8(q, load32(a.qs)), in_lane0(kOff * a.sum));
+        __m256i s = dot_u8s8(q, load32(a.qs));
+        if constexpr (kOff != 0) s = _mm256_sub_epi32(s, in_lane0(kOff * a.sum));
         acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * a.d), _mm256_cvtepi32_ps(s), acc[r]);
+        if constexpr (Type == kQ4_1) accm[r] += (mw * a.d) * static_cast<float>(a.sum);
       }
     }
-    for (int r = 0; r < R; ++r) res[r] = hsum(acc[r]);
+    for (int r = 0; r < R; ++r) res[r] = hsum(acc[r]) + accm[r];
 #else
     float acc[R] = {};
     int32_t q[32];
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* blk = w + b * kBytes;
-      const float dw = fp16_at(blk);
-      if constexpr (Type == kQ4_0) codes_q4_0(blk, q);
-      else codes_q5_0(blk, q);
+      const float dw = fp16_at(blk), mw = Type == kQ4_1 ? fp16_at(blk + 2) : 0.0f;
+      if constexpr (Type == kQ5_0) codes_q5_0(blk, q);
+      else codes_nibbles(blk + kQs, q);
       for (int r = 0; r < R; ++r) {
         const Act& a = y[r][b];
         int32_t s = 0;
         for (int j = 0; j < 32; ++j) s += q[j] * a.qs[j];
         s -= kOff * a.sum;
         acc[r] += (dw * a.d) * static_cast<float>(s);
+        if constexpr (Type == kQ4_1) accm[r] += (mw * a.d) * static_cast<float>(a.sum);
       }
     }
-    for (int r = 0; r < R; ++r) res[r] = acc[r];
+    for (int r = 0; r < R; ++r) res[r] = acc[r] + accm[r];
 #endif
   }
 };
@@ -644,6 +658,7 @@ void ggml_mm(at::Tensor& out, const at::Tensor& x, const at::Tensor& raw, int64_
     scalar_t* op = out.data_ptr<scalar_t>();
     switch (ggml_type) {
       case kQ4_0: mm_impl<LegacyUnsigned<kQ4_0>>(op, ldo, xp, M, K, w, ldw, N); break;
+      case kQ4_1: mm_impl<LegacyUnsigned<kQ4_1>>(op, ldo, xp, M, K, w, ldw, N); break;
       case kQ5_0: mm_impl<LegacyUnsigned<kQ5_0>>(op, ldo, xp, M, K, w, ldw, N); break;
       case kQ8_0: mm_impl<Q8_0Kernel>(op, ldo, xp, M, K, w, ldw, N); break;
       case kQ4_K: mm_impl<KQuant45<kQ4_K>>(op, ldo, xp, M, K, w, ldw, N); break;

@@ -37,6 +37,7 @@ class Checkpoint:
 
     # how the checkpoint's weights are stored: "none" (dense) or the quantization they need ("gguf", ...)
     native_quantization = "none"
+    quantization_config: dict = field(default_factory=dict)  # config.json's, for awq and gptq
 
     def weights(self, keep_types: frozenset = frozenset()) -> Iterator[tuple[str, torch.Tensor | GGMLTensor]]:
         """(HF name, tensor) for every weight; GGUF tensors of a type in keep_types come as their blocks."""
@@ -72,8 +73,8 @@ class HFCheckpoint(Checkpoint):
         super().__init__(path, model_id or path, config,
                          "HF Qwen2 names (model.layers.N.self_attn.q_proj.weight, ...) in *.safetensors", generation)
         self.files = self._safetensors_files()
-        quantization = raw_config.get("quantization_config") or {}
-        self.native_quantization = str(quantization.get("quant_method", "none")).lower()
+        self.quantization_config = raw_config.get("quantization_config") or {}
+        self.native_quantization = str(self.quantization_config.get("quant_method", "none")).lower()
 
     def _safetensors_files(self) -> list[str]:
         index = os.path.join(self.path, "model.safetensors.index.json")

@@ -1,7 +1,7 @@
 """Dequantization of ggml block formats to float32 torch tensors.
 
-The formats in common Qwen GGUF files (F32, F16, BF16, Q8_0, Q4_0, Q5_0, Q4_K, Q6_K) are written here as
-vectorised torch ops, several times faster than gguf's numpy reference on 2 cores; any other format falls
+The formats in common Qwen GGUF files (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K) are written here
+as vectorised torch ops, several times faster than gguf's numpy reference on 2 cores; any other format falls
 back to `gguf.quants.dequantize`. Tests check every torch path against that reference.
 """
 from __future__ import annotations
@@ -30,6 +30,10 @@ def _q8_0(b: torch.Tensor) -> torch.Tensor:
 
 def _q4_0(b: torch.Tensor) -> torch.Tensor:
     return (_low_high_nibbles(b[:, 2:]).float() - 8.0) * _f16(b, 0)
+
+
+def _q4_1(b: torch.Tensor) -> torch.Tensor:
+    return _low_high_nibbles(b[:, 4:]).float() * _f16(b, 0) + _f16(b, 2)
 
 
 def _q5_0(b: torch.Tensor) -> torch.Tensor:
@@ -71,7 +75,8 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     return (d * q.reshape(n, 16, 16)).reshape(n, QK_K)
 
 
-_BLOCK_DEQUANTIZERS = {Q.Q8_0: _q8_0, Q.Q4_0: _q4_0, Q.Q5_0: _q5_0, Q.Q4_K: _q4_k, Q.Q6_K: _q6_k}
+_BLOCK_DEQUANTIZERS = {Q.Q8_0: _q8_0, Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q4_K: _q4_k,
+                       Q.Q6_K: _q6_k}
 
 
 def dequantize(raw: np.ndarray, ggml_type: GGMLQuantizationType, shape: tuple[int, ...]) -> torch.Tensor:

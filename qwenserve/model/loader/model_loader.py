@@ -12,8 +12,8 @@ from torch import nn
 
 from qwenserve.config.errors import ConfigError
 from qwenserve.config.model_config import resolve_dtype
-from qwenserve.model.layers.linear import LinearMethod
-from qwenserve.model.layers.quantization.gguf import KERNEL_TYPES, GGUFLinearMethod
+from qwenserve.kernels import cpu_ops_for
+from qwenserve.model.layers.quantization import QUANTIZATIONS, QuantizationScheme, quantization_scheme
 from qwenserve.model.loader.checkpoint import Checkpoint, open_checkpoint
 from qwenserve.model.loader.ggml_tensor import GGMLTensor
 from qwenserve.model.models.qwen2 import Qwen2ForCausalLM
@@ -39,16 +39,19 @@ def _default_dtype(dtype: torch.dtype):
 
 def load_model(checkpoint: Checkpoint, dtype: torch.dtype, max_model_len: int,
                tp: TensorParallel = TensorParallel(), device: str | torch.device = "cpu",
-               linear_method: LinearMethod | None = None, keep_types: frozenset = frozenset()) -> Qwen2ForCausalLM:
-    """The model with its weights loaded; GGUF tensors of a type in keep_types reach their parameters as blocks
-    (a linear method that runs them), others dequantized."""
+               quantization: QuantizationScheme = QuantizationScheme()) -> Qwen2ForCausalLM:
+    """The model with its weights loaded; GGUF tensors of a type in quantization.keep_types reach their
+    parameters as blocks (a linear method that runs them), others dequantized."""
     start = time.perf_counter()
+    if quantization.layers is not None and cpu_ops_for(device) is None:
+        logger.warning("quantized weights: our kernels do not run on %s; they are dequantized at load (dense "
+                       "memory and speed)", device)
     with _default_dtype(dtype), torch.device(device):
-        model = Qwen2ForCausalLM(checkpoint.config, max_model_len, tp, linear_method)
+        model = Qwen2ForCausalLM(checkpoint.config, max_model_len, tp, quantization)
     attn = model.model.layers[0].self_attn
     logger.info("tensor-parallel rank %d of %d: %d query heads, %d kv heads", tp.rank, tp.size, attn.num_heads,
                 attn.num_kv_heads)
-    load_weights(model, checkpoint.weights(keep_types), checkpoint.naming)
+    load_weights(model, checkpoint.weights(quantization.keep_types), checkpoint.naming)
     model.process_weights_after_loading()
     logger.info("loaded %s weights in %.1f s", checkpoint.path, time.perf_counter() - start)
     return model.eval()
@@ -76,10 +79,13 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
         if isinstance(tensor, GGMLTensor) and not getattr(param, "takes_ggml_blocks", False):
             tensor = tensor.dequantize()  # e.g. the embedding: looked up by row, kept dense
         with torch.no_grad():
-            if shard is None:
-                param.weight_loader(param, tensor) if hasattr(param, "weight_loader") else _copy(param, tensor, name)
-            else:
-                param.weight_loader(param, tensor, shard)
+            try:
+                if shard is None:
+                    param.weight_loader(param, tensor) if hasattr(param, "weight_loader") else _copy(param, tensor, name)
+                else:
+                    param.weight_loader(param, tensor, shard)
+            except ValueError as e:  # name the tensor (the loaders only know the parameter)
+                raise WeightLoadError(f"{name}: {e}") from e
         loaded.add((target, shard))
 
     missing = [ckpt for key, ckpt in _expected(params, packed) if key not in loaded]
@@ -118,21 +124,34 @@ def _summarize(names: list[str], limit: int = 12) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-QUANTIZATIONS = ("none", "gguf")
-
-
 def resolve_quantization(requested: str | None, checkpoint: Checkpoint) -> str:
-    """The quantization method to run: the one asked for, else the checkpoint's own (gguf for a GGUF file)."""
+    """The quantization method to run: the one asked for, else the checkpoint's own (gguf for a GGUF file, awq or
+    gptq from config.json's quantization_config). int8 and int4 quantize dense weights (or a GGUF file's,
+    dequantized) at load; awq and gptq run only their own checkpoints."""
     native = checkpoint.native_quantization
     if native not in QUANTIZATIONS:
         raise ConfigError(f"{checkpoint.path} holds {native!r}-quantized weights (quantization_config in "
-                          f"config.json), which qwenserve does not load yet; supported: {', '.join(QUANTIZATIONS)}")
+                          f"config.json), which qwenserve does not load; it loads: awq, gptq")
     choice = native if requested is None else str(requested).lower()
     if choice not in QUANTIZATIONS:
         raise ConfigError(f"quantization {requested!r} is not supported; use one of {', '.join(QUANTIZATIONS)}")
     if choice == "gguf" and native != "gguf":
         raise ConfigError(f"quantization gguf runs a GGUF file's blocks, but {checkpoint.path} is not a GGUF file")
+    if choice in ("awq", "gptq") and native != choice:
+        raise ConfigError(f"quantization {choice} loads {choice.upper()} checkpoints, but {checkpoint.path} is "
+                          + ("not quantized" if native == "none" else f"{native}-quantized"))
+    if native in ("awq", "gptq") and choice != native:
+        raise ConfigError(f"{checkpoint.path} is a {native.upper()} checkpoint: it runs with quantization "
+                          f"{native} only, not {choice}")
+    _scheme(choice, checkpoint)  # a bad quantization_config fails here, before any worker starts
     return choice
+
+
+def _scheme(quantization: str, checkpoint: Checkpoint) -> QuantizationScheme:
+    try:
+        return quantization_scheme(quantization, checkpoint.quantization_config)
+    except ValueError as e:
+        raise ConfigError(f"{checkpoint.path}: {e}") from e
 
 
 @dataclass(frozen=True)
@@ -167,10 +186,8 @@ class ModelSpec:
         return ids
 
     def load_model(self, device: str | torch.device = "cpu", tp: TensorParallel = TensorParallel()) -> Qwen2ForCausalLM:
-        if self.quantization == "gguf":
-            return load_model(self.checkpoint, self.dtype, self.max_model_len, tp, device, GGUFLinearMethod(),
-                              keep_types=KERNEL_TYPES)
-        return load_model(self.checkpoint, self.dtype, self.max_model_len, tp, device)
+        return load_model(self.checkpoint, self.dtype, self.max_model_len, tp, device,
+                          _scheme(self.quantization, self.checkpoint))
 
 
 class LoadedModel:

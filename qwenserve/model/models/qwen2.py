@@ -14,6 +14,7 @@ from qwenserve.model.layers.attention import Attention, AttentionMetadata
 from qwenserve.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from qwenserve.model.layers.layernorm import RMSNorm
 from qwenserve.model.layers.linear import LinearMethod, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from qwenserve.model.layers.quantization import QuantizationScheme
 from qwenserve.model.layers.rotary import RotaryEmbedding
 from qwenserve.model.parallel import TensorParallel, check_head_split
 
@@ -107,15 +108,15 @@ class Qwen2ForCausalLM(nn.Module):
     }
 
     def __init__(self, config: ModelConfig, max_position: int, tp: TensorParallel = TensorParallel(),
-                 linear_method: LinearMethod | None = None):
-        """linear_method: how every linear layer (and the LM head) holds and applies its weight; None is dense."""
+                 quantization: QuantizationScheme = QuantizationScheme()):
+        """quantization: how the linear layers and the LM head hold and apply their weights (default: dense)."""
         super().__init__()
         check_head_split(config.num_attention_heads, config.num_key_value_heads, tp.size)
         self.config = config
         self.dtype = torch.get_default_dtype()  # parameters are created in it (see model_loader)
-        self.model = Qwen2Model(config, max_position, tp, linear_method)
+        self.model = Qwen2Model(config, max_position, tp, quantization.layers)
         # a tied head reads the embedding's dense weight, so it keeps the dense method
-        head_method = None if config.tie_word_embeddings else linear_method
+        head_method = None if config.tie_word_embeddings else quantization.lm_head
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, head_method)
         if config.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)

@@ -1,0 +1,122 @@
+"""`qwenserve bench kernels`: every weight shape of the loaded model at M = 1, 8, 32, 512 rows, our layer's
+matmul against the alternatives, as GB/s of weight bytes read and GFLOP/s, beside the machine's read bandwidth.
+
+Rows: one per distinct (layer kind, block types, out x in) of the model. Columns per M:
+- `ours`: the layer's own apply (ggml_mm on its blocks, or dequantize + dense from dense_from_rows rows);
+- `dense`: F.linear on a dense weight in the run dtype (oneDNN-packed where bf16 packing is available);
+- `fp32`: F.linear in float32;
+- `int8pack`: torch's `_weight_int8pack_mm` (int8 per output channel);
+- `int4pack`: torch's `_weight_int4pack_mm_for_cpu` (int4, groups of 128) where the shape allows.
+GB/s counts the bytes of weight each variant reads per call (its own format); decode (M=1) is bound by them."""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from qwenserve.config.engine_config import EngineConfig
+from qwenserve.model.layers.linear import cpu_weight_packing_available
+from qwenserve.model.loader.ggml_tensor import GGMLTensor
+from qwenserve.model.loader.model_loader import ModelSpec
+
+ROWS = (1, 8, 32, 512)
+
+
+def timed(fn, min_seconds: float = 0.3, max_calls: int = 200) -> float:
+    """Seconds per call: one warm-up call, then calls until min_seconds have passed (at least one)."""
+    fn()
+    calls, start = 0, time.perf_counter()
+    while calls < max_calls:
+        fn()
+        calls += 1
+        if time.perf_counter() - start >= min_seconds:
+            break
+    return (time.perf_counter() - start) / calls
+
+
+def read_bandwidth(gib: float = 1.0) -> float:
+    """GB/s of a multi-threaded sum over a buffer far larger than the caches."""
+    buf = torch.ones(int(gib * (1 << 30)) // 4)
+    seconds = min(timed(buf.sum, min_seconds=0.5) for _ in range(3))
+    return buf.numel() * 4 / seconds / 1e9
+
+
+def weight_shapes(model) -> dict[tuple, torch.nn.Module]:
+    """(kind, block types, out, in) -> the first layer of that shape."""
+    shapes = {}
+    for name, module in model.named_modules():
+        if not hasattr(module, "linear_method"):
+            continue
+        kind = name.split(".")[-1]
+        segments = getattr(module, "segments", None)
+        types = "+".join(s.ggml_type.name if isinstance(s, GGMLTensor) else str(s.dtype).removeprefix("torch.")
+                         for _, s in segments) if segments else "dense"
+        shapes.setdefault((kind, types, module.output_size, module.input_size), module)
+    return shapes
+
+
+def _alternatives(out_features: int, in_features: int, dtype: torch.dtype) -> dict:
+    """name -> (fn(x), weight bytes per call) on random weights of this shape."""
+    w = torch.randn(out_features, in_features) * 0.02
+    dense = w.to(dtype)
+    alts = {"fp32": (lambda x: F.linear(x.float(), w), w.numel() * 4)}
+    if cpu_weight_packing_available(dense):
+        packed = torch.ops.mkldnn._reorder_linear_weight(dense, 32)
+        alts["dense"] = (lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
+                         dense.numel() * dense.element_size())
+    else:
+        alts["dense"] = (lambda x: F.linear(x, dense), dense.numel() * dense.element_size())
+    scale = (w.abs().amax(1) / 127).to(dtype)
+    codes = torch.randint(-127, 128, w.shape, dtype=torch.int8)
+    alts["int8pack"] = (lambda x: torch.ops.aten._weight_int8pack_mm(x, codes, scale), codes.numel() + out_features * 2)
+    if in_features % 128 == 0 and out_features % 16 == 0:  # what the int4 packing accepts
+        q4 = torch.randint(0, 16, w.shape, dtype=torch.int32)
+        packed4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q4, 1)
+        scales_zeros = torch.rand(in_features // 128, out_features, 2).to(dtype)
+        alts["int4pack"] = (lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed4, 128, scales_zeros),
+                            packed4.numel() + scales_zeros.numel() * scales_zeros.element_size())
+    return alts
+
+
+def layer_bytes(module) -> int:
+    segments = getattr(module, "segments", None)
+    if segments:
+        return sum(s.nbytes if isinstance(s, GGMLTensor) else s.numel() * s.element_size() for _, s in segments)
+    weight = module.weight if module.weight is not None else module.packed_weight
+    return weight.numel() * weight.element_size()
+
+
+def bench_kernels(config: EngineConfig, rows: tuple[int, ...] = ROWS) -> dict:
+    load = config.load
+    spec = ModelSpec.resolve(load.model, load.dtype, load.max_model_len, load.quantization)
+    model = spec.load_model(load.device)
+    bandwidth = read_bandwidth()
+    results = []
+    with torch.inference_mode():
+        for (kind, types, out_features, in_features), module in weight_shapes(model).items():
+            alts = _alternatives(out_features, in_features, spec.dtype)
+            ours = (lambda x, m=module: m.linear_method.apply(m, x, None), layer_bytes(module))
+            for m in rows:
+                x = torch.randn(m, in_features).to(spec.dtype)
+                entry = {"layer": kind, "types": types, "out": out_features, "in": in_features, "M": m}
+                for name, (fn, nbytes) in {"ours": ours, **alts}.items():
+                    seconds = timed(lambda: fn(x))
+                    entry[name] = {"ms": round(seconds * 1e3, 3), "GB/s": round(nbytes / seconds / 1e9, 2),
+                                   "GFLOP/s": round(2 * m * out_features * in_features / seconds / 1e9, 1)}
+                results.append(entry)
+    return {"quantization": spec.quantization, "dtype": str(spec.dtype).removeprefix("torch."),
+            "read_bandwidth_GBps": round(bandwidth, 2), "threads": torch.get_num_threads(), "shapes": results}
+
+
+def format_table(result: dict) -> str:
+    names = ["ours", "dense", "fp32", "int8pack", "int4pack"]
+    lines = [f"quantization {result['quantization']}, dtype {result['dtype']}, {result['threads']} threads, "
+             f"measured read bandwidth {result['read_bandwidth_GBps']} GB/s",
+             "ms per call (GB/s of weights read | GFLOP/s)",
+             "| layer | types | out x in | M | " + " | ".join(names) + " |",
+             "|---" * (4 + len(names)) + "|"]
+    for e in result["shapes"]:
+        cells = [f"{e[n]['ms']} ({e[n]['GB/s']} \\| {e[n]['GFLOP/s']})" if n in e else "-" for n in names]
+        lines.append(f"| {e['layer']} | {e['types']} | {e['out']} x {e['in']} | {e['M']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

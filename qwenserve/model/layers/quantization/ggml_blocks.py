@@ -1,0 +1,132 @@
+"""Linear layers whose weight is held as ggml blocks (see kernels/cpu/ggml_quants.cpp), and packers that write
+integer codes with their scales as such blocks.
+
+Every quantized method here (a GGUF file's own blocks, int8 / int4 made at load, AWQ and GPTQ checkpoints) ends
+up as `layer.segments`: (offset in this rank's output, GGMLTensor or dense rows) in output order, so they share
+one apply: few rows (decode) run `ggml_mm` (activations quantized to int8 blocks, integer dot products, as
+llama.cpp does); many rows (prefill), where the CPU has a fast dense matmul for the dtype, dequantize a segment
+and run it dense. A layer may also carry `input_order`, a permutation of its input features (GPTQ's act-order
+groups, made contiguous at load). Without the kernels (CUDA, no C++ compiler) the blocks are dequantized once,
+at load (the loader warns)."""
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from torch import nn
+
+from qwenserve.kernels import cpu_ops_for
+from qwenserve.model.layers.linear import LinearMethod, UnquantizedLinearMethod
+from qwenserve.model.loader.ggml_tensor import GGMLTensor
+
+Q = GGMLQuantizationType
+BLOCK = 32  # weights per block of the 32-block types, the ones the packers below write
+
+
+def dense_from_rows(dtype: torch.dtype) -> int:
+    """From how many rows dequantizing a segment and running a dense matmul beats int8 dot products per row.
+    Measured on a 2-core AVX2 machine (no native bf16): ggml_mm at 33 rows was 3-5x faster than a bf16 matmul
+    (emulated there), about half as fast as a float32 one at large M. With native bf16 (AVX512-BF16, AMX)
+    oneDNN's dense path wins from a few dozen rows."""
+    if dtype == torch.float32:
+        return 64
+    if dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return 32
+    return sys.maxsize  # emulated half-precision matmuls never pay
+
+
+_DENSE = UnquantizedLinearMethod()  # what a dequantized layer runs
+
+
+class GGMLBlockLinearMethod(LinearMethod):
+    """The shared half of the block-quantized methods: subclasses create and load the weights and fill
+    layer.segments (and layer.input_order) before calling this process_weights_after_loading."""
+
+    def init_layer(self, layer: nn.Module) -> None:
+        layer.segments = []  # (offset in this rank's output, GGMLTensor or dense rows in the run dtype)
+        layer.input_order = None  # a permutation of the input features the segments' columns follow
+        layer.weight_dtype = torch.get_default_dtype()
+        layer.packed_weight = None
+        layer.weight_device = torch.empty(0).device  # where the model is being built
+        layer.ggml_ops = cpu_ops_for(layer.weight_device)  # chosen once, here
+        layer.dense_from_rows = dense_from_rows(layer.weight_dtype)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        layer.segments.sort(key=lambda s: s[0])
+        if layer.ggml_ops is not None:
+            return
+        weight = torch.zeros(layer.output_size, layer.input_size, dtype=layer.weight_dtype, device=layer.weight_device)
+        for offset, segment in layer.segments:
+            rows = segment.dequantize(layer.weight_dtype) if isinstance(segment, GGMLTensor) else segment
+            weight[offset:offset + rows.shape[0]] = rows.to(weight.device)
+        if layer.input_order is not None:  # back to the checkpoint's column order
+            weight[:, layer.input_order] = weight.clone()
+        layer.weight = nn.Parameter(weight, requires_grad=False)
+        layer.segments, layer.input_order = None, None
+        _DENSE.process_weights_after_loading(layer)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if layer.segments is None:  # dequantized at load
+            return _DENSE.apply(layer, x, bias)
+        ops = layer.ggml_ops
+        x = x.contiguous() if layer.input_order is None else x.index_select(1, layer.input_order)
+        out = x.new_empty(x.shape[0], layer.output_size)
+        dense = x.shape[0] >= layer.dense_from_rows
+        for offset, segment in layer.segments:
+            rows = segment.shape[0]
+            if not isinstance(segment, GGMLTensor):
+                out[:, offset:offset + rows] = F.linear(x, segment)
+            elif dense:
+                weight = ops.ggml_dequantize(segment.raw, int(segment.ggml_type), segment.shape[1], x.dtype)
+                out[:, offset:offset + rows] = F.linear(x, weight)
+            else:
+                ops.ggml_mm(out[:, offset:offset + rows], x, segment.raw, int(segment.ggml_type))
+        if bias is not None:
+            out += bias
+        return out
+
+
+def drop_dense_weight(layer: nn.Module) -> None:
+    """Replace the dense weight a method quantized by an empty placeholder (the memory goes back)."""
+    layer.weight = nn.Parameter(torch.empty(0, device=layer.weight_device), requires_grad=False)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Packers: integer codes [rows, cols] with one scale (and offset) per 32 weights -> ggml blocks (layouts at the top
+# of ggml_quants.cpp). Scales are taken as fp16, as the blocks store them.
+
+def _fp16_bytes(values: torch.Tensor) -> torch.Tensor:
+    """[rows, nb] -> uint8 [rows, nb, 2], little-endian fp16."""
+    return values.to(torch.float16).contiguous().view(torch.uint8).view(*values.shape, 2)
+
+
+def _nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """Codes 0..15 [rows, nb, 32] -> [rows, nb, 16] bytes: weight j in the low nibble of byte j, weight j+16 high."""
+    codes = codes.to(torch.uint8)
+    return codes[..., :16] | (codes[..., 16:] << 4)
+
+
+def _blocks(rows: int, cols: int, ggml_type: Q, *fields: torch.Tensor) -> GGMLTensor:
+    raw = torch.cat(fields, dim=-1).reshape(rows, -1)
+    return GGMLTensor(raw, ggml_type, (rows, cols))
+
+
+def pack_q8_0(codes: torch.Tensor, d: torch.Tensor) -> GGMLTensor:
+    """codes int8 [rows, cols], d [rows, cols / 32]: weight = d * code."""
+    rows, cols = codes.shape
+    qs = codes.to(torch.int8).contiguous().view(torch.uint8).view(rows, cols // BLOCK, BLOCK)
+    return _blocks(rows, cols, Q.Q8_0, _fp16_bytes(d), qs)
+
+
+def pack_q4_0(codes: torch.Tensor, d: torch.Tensor) -> GGMLTensor:
+    """codes 0..15 [rows, cols], d [rows, cols / 32]: weight = d * (code - 8)."""
+    rows, cols = codes.shape
+    return _blocks(rows, cols, Q.Q4_0, _fp16_bytes(d), _nibbles(codes.view(rows, -1, BLOCK)))
+
+
+def pack_q4_1(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> GGMLTensor:
+    """codes 0..15 [rows, cols], d and m [rows, cols / 32]: weight = d * code + m."""
+    rows, cols = codes.shape
+    return _blocks(rows, cols, Q.Q4_1, _fp16_bytes(d), _fp16_bytes(m), _nibbles(codes.view(rows, -1, BLOCK)))
