@@ -171,7 +171,7 @@ def test_loaded_weights_follow_the_formula_and_logits_the_dense_model(ops, tmp_p
     exact = LoadedModel(dense_dir, dtype="float32", quantization="none").model
     model = quantized.model
     qkv = model.model.layers[0].self_attn.qkv_proj
-    assert [s.ggml_type.name for _, s in qkv.segments] == [block_type] * 3
+    assert [s.ggml_type.name for _, s in qkv.segments] == [block_type]  # q, k and v merged: one block type
     assert (qkv.input_order is not None) == act_order
 
     # (a) the held weights are (q - zero) * scale: exactly for Q4_0 and Q8_0; Q4_1 holds m = -zero * scale in

@@ -74,3 +74,22 @@ def test_bench_ppl_is_the_perplexity_of_the_served_path(tmp_path, capsys):
     assert main(["bench", "ppl", "--model", path, "--dtype", "float32", "--kv-cache-memory", "8MiB", "--json"]) == 0
     default = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert default["tokens"] > 1000 and default["ppl"] > 1
+
+
+def test_bench_kernels_times_every_weight_shape(ops, tmp_path, capsys):
+    """One row per (layer kind, block types, shape) and M, each variant's time turned into GB/s and GFLOP/s."""
+    hf = tiny_hf_model(seed=63, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+    path = save_hf_dir(hf, str(tmp_path / "m"))
+    assert main(["bench", "kernels", "--model", path, "--dtype", "float32", "--quantization", "int4",
+                 "--rows", "1", "8", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["quantization"] == "int4" and result["read_bandwidth_GBps"] > 0
+    shapes = {(e["layer"], e["types"], e["out"], e["in"]) for e in result["shapes"]}
+    assert shapes == {("qkv_proj", "Q4_1", 256, 128), ("o_proj", "Q4_1", 128, 128),
+                      ("gate_up_proj", "Q4_1", 512, 128), ("down_proj", "Q4_1", 128, 256),
+                      ("lm_head", "Q8_0", 320, 128)}
+    assert len(result["shapes"]) == 2 * len(shapes)
+    for entry in result["shapes"]:
+        for variant in ("ours", "dense", "fp32", "int8pack"):
+            figures = entry[variant]
+            assert figures["ms"] > 0 and figures["GB/s"] > 0 and figures["GFLOP/s"] > 0, (entry, variant)

@@ -41,10 +41,16 @@ def _source_files() -> list[Path]:
     return sorted(p for p in _SOURCE_DIR.iterdir() if p.suffix in (".cpp", ".h"))
 
 
+# -fno-trapping-math: without it GCC keeps float comparisons (clamps, selects) as branches, which stops it from
+# vectorising loops such as silu_and_mul's exp (measured 2-3x slower); results are the same, we never read FP
+# exception flags.
+_CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-trapping-math", "-fopenmp"]
+
+
 def _source_tag() -> str:
-    """A short hash of every source and header under cpu/. torch rebuilds when a .cpp changes but does not
-    look at headers, so the hash goes into the library's name: any edit builds afresh."""
-    h = hashlib.sha1()
+    """A short hash of every source and header under cpu/ and of the compiler flags. torch rebuilds when a .cpp
+    changes but does not look at headers, so the hash goes into the library's name: any edit builds afresh."""
+    h = hashlib.sha1(" ".join(_CFLAGS).encode())
     for p in _source_files():
         h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
     return h.hexdigest()[:8]
@@ -54,10 +60,9 @@ def _build():
     from torch.utils.cpp_extension import load
 
     logger.info("loading the CPU kernels (compiled on first use, about 20 s)")
-    flags = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"]
     sources = [str(p) for p in _source_files() if p.suffix == ".cpp"]
     load(name=f"qwenserve_cpu_ops_{_cpu_tag()}_{_source_tag()}", sources=sources,
-         extra_include_paths=[str(_SOURCE_DIR)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+         extra_include_paths=[str(_SOURCE_DIR)], extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
          is_python_module=False, verbose=False)
     return torch.ops.qwenserve
 

@@ -55,8 +55,8 @@ class GroupQuantizedLinearMethod(GGMLBlockLinearMethod):
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int) -> None:
         self.init_layer(layer)
         layer.register_parameter("weight", None)
-        layer.unpacked = {}  # shard id -> (codes, scales, zeros, group of each input feature), this rank's part
-        layer.arrived = {}  # shard id -> {part name: checkpoint tensor}
+        layer.arrived = {}  # shard id -> {part name: checkpoint tensor}, until the shard has all its parts
+        layer.shards = {}  # shard id -> (this rank's blocks or dense rows, the input order they follow or None)
         for part in self.PARTS:
             param = nn.Parameter(torch.empty(0), requires_grad=False)
             param.weight_loader = functools.partial(self._collect, layer, part)
@@ -71,8 +71,12 @@ class GroupQuantizedLinearMethod(GGMLBlockLinearMethod):
                              f"{tuple(loaded.shape)}")
         parts = layer.arrived.setdefault(shard_id, {})
         parts[part] = loaded
-        if len(parts) == len(self.PARTS):
-            layer.unpacked[shard_id] = self._this_rank(layer, shard_id, *self.unpack(layer.arrived.pop(shard_id)))
+        if len(parts) == len(self.PARTS):  # held as blocks at once: unpacked codes of every layer would not fit
+            codes, scales, zeros, groups = self._this_rank(layer, shard_id, *self.unpack(layer.arrived.pop(shard_id)))
+            order = torch.argsort(groups, stable=True) if bool((groups[1:] < groups[:-1]).any()) else None
+            if order is not None:  # act-order: the columns sorted by group, so groups are contiguous
+                codes, groups = codes[:, order], groups[order]
+            layer.shards[shard_id] = (self._blocks(codes, scales, zeros, groups, layer), order)
 
     def unpack(self, parts: dict[str, torch.Tensor]):
         """-> codes [out, in], scales and zeros [out, groups] (float32), group of each input feature [in]."""
@@ -101,31 +105,22 @@ class GroupQuantizedLinearMethod(GGMLBlockLinearMethod):
                 groups[in_start:in_start + in_size])
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        shards = sorted(layer.unpacked.items(), key=lambda item: layer.output_shard(item[0])[0])
-        groups = shards[0][1][3]
-        if any(not torch.equal(s[3], groups) for _, s in shards):
+        orders = [order for _, order in layer.shards.values()]
+        if any(not _same_order(order, orders[0]) for order in orders):
             raise ValueError(f"{self.name}: the fused projections of a {type(layer).__name__} have different "
-                             "g_idx; qwenserve needs one input order per layer")
-        order = None
-        if bool((groups[1:] < groups[:-1]).any()):  # act-order: sort the columns by group, once
-            order = torch.argsort(groups, stable=True)
-            groups = groups[order]
-        blockable = groups.numel() % BLOCK == 0 and bool((groups.view(-1, BLOCK) == groups.view(-1, BLOCK)[:, :1])
-                                                         .all())
-        for shard_id, (codes, scales, zeros, _) in shards:
-            if order is not None:
-                codes = codes[:, order]
-            offset = layer.output_shard(shard_id)[0]
-            layer.segments.append((offset, self._blocks(codes, scales, zeros, groups, blockable, layer)))
-        layer.input_order = None if order is None else order.to(layer.weight_device)
-        del layer.unpacked, layer.arrived
+                             "g_idx orders; qwenserve needs one input order per layer")
+        layer.segments = [(layer.output_shard(shard_id)[0], segment) for shard_id, (segment, _) in layer.shards.items()]
+        layer.input_order = None if orders[0] is None else orders[0].to(layer.weight_device)
+        del layer.shards, layer.arrived
         super().process_weights_after_loading(layer)
 
-    def _blocks(self, codes, scales, zeros, groups, blockable: bool, layer: nn.Module):
+    def _blocks(self, codes, scales, zeros, groups, layer: nn.Module):
+        """codes [out, in] whose columns' groups are contiguous -> ggml blocks, or dense rows if none fits."""
         if layer.ggml_ops is None:  # to be run dense: the formula itself, exact
             return ((codes - zeros[:, groups]) * scales[:, groups]).to(layer.weight_dtype)
-        if blockable:
-            block_group = groups.view(-1, BLOCK)[:, 0]
+        blocks = groups.view(-1, BLOCK) if groups.numel() % BLOCK == 0 else None
+        if blocks is not None and bool((blocks == blocks[:, :1]).all()):
+            block_group = blocks[:, 0]
             d, z = scales[:, block_group], zeros[:, block_group]
             if self.bits == 4:
                 return pack_q4_0(codes, d) if bool((z == 8).all()) else pack_q4_1(codes, d, -z * d)
@@ -136,3 +131,7 @@ class GroupQuantizedLinearMethod(GGMLBlockLinearMethod):
         logger.info("%s: a %s's groups do not fit ggml blocks; it is kept dense", self.name, type(layer).__name__)
         weight = (codes - zeros[:, groups]) * scales[:, groups]
         return weight.to(layer.weight_dtype)
+
+
+def _same_order(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
