@@ -42,9 +42,14 @@ def test_quantized_layers_hold_the_files_blocks(ops, mixed_gguf):
     assert types == [(0, "Q5_0", 64 + 32), (96, "Q8_0", 32)]
     assert qkv.weight.numel() == 0  # no dense copy
     f = GGUFFile(mixed_gguf)
+    embedding = model.model.embed_tokens
+    assert embedding.blocks.ggml_type.name == "Q5_0" and embedding.weight.numel() == 0
     held = sum(seg.nbytes for m in model.modules() if getattr(m, "segments", None) for _, seg in m.segments)
-    in_file = sum(t.nbytes for t in f.tensors.values() if len(t.shape) == 2 and "token_embd" not in t.name)
-    assert held == in_file  # every linear weight byte of the file, nothing more
+    in_file = sum(t.nbytes for t in f.tensors.values() if len(t.shape) == 2)
+    assert held + embedding.blocks.nbytes == in_file  # every 2-D weight byte of the file, nothing more
+    ids = torch.tensor([[3, 0, 250], [7, 7, 319]])
+    dense = embedding.blocks.dequantize()
+    assert torch.equal(embedding(ids), dense[ids])  # a lookup dequantizes just its rows, exactly
     assert all(isinstance(seg, GGMLTensor) for m in model.modules() if getattr(m, "segments", None)
                for _, seg in m.segments)
 

@@ -5,36 +5,60 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qwenserve.kernels import cpu_ops_for
 from qwenserve.model.layers.linear import LinearMethod, UnquantizedLinearMethod
+from qwenserve.model.loader.ggml_tensor import GGMLTensor
 from qwenserve.model.parallel import TensorParallel
 
 
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel = TensorParallel()):
+    """keep_blocks: a GGUF file's quantized embedding stays in its blocks (a quarter to a third of a bf16 copy)
+    and each lookup dequantizes only the rows it reads, with our kernel; without the kernels it is dense."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel = TensorParallel(),
+                 keep_blocks: bool = False):
         super().__init__()
         self.tp = tp
-        self.vocab_size = vocab_size
+        self.vocab_size, self.hidden_size = vocab_size, hidden_size
         self.shard_size = -(-vocab_size // tp.size)  # ceil: the last shard may be padded
         self.start = tp.rank * self.shard_size
+        self.dtype = torch.get_default_dtype()
+        self.ops = cpu_ops_for(torch.empty(0).device) if keep_blocks else None
+        self.blocks = None  # this rank's rows as a GGMLTensor, when kept
         self._create_weight(hidden_size)
 
     def _create_weight(self, hidden_size: int) -> None:
-        self.weight = nn.Parameter(torch.zeros(self.shard_size, hidden_size), requires_grad=False)
+        rows = 0 if self.ops is not None else self.shard_size  # kept blocks: allocated when they arrive
+        self.weight = nn.Parameter(torch.zeros(rows, hidden_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        self.weight.takes_ggml_blocks = self.ops is not None
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        if loaded.shape[1] != param.shape[1] or loaded.shape[0] != self.vocab_size:
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        if tuple(loaded.shape) != (self.vocab_size, self.hidden_size):
             raise ValueError(f"{type(self).__name__}: checkpoint tensor has shape {tuple(loaded.shape)}, "
-                             f"the model expects ({self.vocab_size}, {param.shape[1]})")
+                             f"the model expects ({self.vocab_size}, {self.hidden_size})")
         rows = min(self.shard_size, self.vocab_size - self.start)
+        if isinstance(loaded, GGMLTensor):
+            self.blocks = loaded.narrow(0, self.start, rows)
+            return
+        if param.shape[0] != self.shard_size:  # blocks were wanted, but the file holds this tensor dense
+            param.data = torch.zeros(self.shard_size, self.hidden_size, dtype=self.dtype, device=param.device)
         param.data[:rows].copy_(loaded.narrow(0, self.start, rows))
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.blocks is None:
+            return F.embedding(ids, self.weight)
+        rows = self.blocks.raw.index_select(0, ids.reshape(-1))
+        out = self.ops.ggml_dequantize(rows, int(self.blocks.ggml_type), self.hidden_size, self.dtype)
+        return out.view(*ids.shape, self.hidden_size)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         local = input_ids - self.start
         owned = (local >= 0) & (local < self.shard_size)
-        out = F.embedding(local.clamp(0, self.shard_size - 1), self.weight) * owned.unsqueeze(-1)
+        held = self.shard_size if self.blocks is None else self.blocks.shape[0]
+        out = self._lookup(local.clamp(0, held - 1)) * owned.unsqueeze(-1)
         return self.tp.all_reduce(out)
 
 

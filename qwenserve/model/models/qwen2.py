@@ -82,9 +82,10 @@ class Qwen2DecoderLayer(nn.Module):
 
 
 class Qwen2Model(nn.Module):
-    def __init__(self, config: ModelConfig, max_position: int, tp: TensorParallel, linear_method: LinearMethod | None):
+    def __init__(self, config: ModelConfig, max_position: int, tp: TensorParallel, linear_method: LinearMethod | None,
+                 embedding_blocks: bool = False):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, embedding_blocks)
         self.layers = nn.ModuleList(Qwen2DecoderLayer(config, i, max_position, tp, linear_method)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -114,7 +115,9 @@ class Qwen2ForCausalLM(nn.Module):
         check_head_split(config.num_attention_heads, config.num_key_value_heads, tp.size)
         self.config = config
         self.dtype = torch.get_default_dtype()  # parameters are created in it (see model_loader)
-        self.model = Qwen2Model(config, max_position, tp, quantization.layers)
+        # a tied head reads the embedding's dense weight: the embedding keeps blocks only when untied
+        self.model = Qwen2Model(config, max_position, tp, quantization.layers,
+                                quantization.embedding_blocks and not config.tie_word_embeddings)
         # a tied head reads the embedding's dense weight, so it keeps the dense method
         head_method = None if config.tie_word_embeddings else quantization.lm_head
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, head_method)

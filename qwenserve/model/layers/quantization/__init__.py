@@ -14,11 +14,12 @@ QUANTIZATIONS = ("none", "gguf", "int8", "int4", "awq", "gptq")
 
 @dataclass(frozen=True)
 class QuantizationScheme:
-    """The linear method of the decoder layers and of the LM head (None: dense), and the GGUF block types the
-    loader hands over as blocks rather than dequantized."""
+    """The linear method of the decoder layers and of the LM head (None: dense), the GGUF block types the
+    loader hands over as blocks rather than dequantized, and whether the embedding keeps its blocks too."""
     layers: LinearMethod | None = None
     lm_head: LinearMethod | None = None
     keep_types: frozenset = frozenset()
+    embedding_blocks: bool = False
 
 
 def quantization_scheme(name: str, quantization_config: dict | None = None) -> QuantizationScheme:
@@ -27,7 +28,7 @@ def quantization_scheme(name: str, quantization_config: dict | None = None) -> Q
         return QuantizationScheme()
     if name == "gguf":
         method = GGUFLinearMethod()
-        return QuantizationScheme(method, method, KERNEL_TYPES)
+        return QuantizationScheme(method, method, KERNEL_TYPES, embedding_blocks=True)
     if name == "int8":
         method = Int8LinearMethod()
         return QuantizationScheme(method, method)
