@@ -154,3 +154,15 @@ def save_gguf(model, path: str, quant: str = "Q8_0", overrides: dict[str, str] |
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def record_preemptions(llm) -> list[str]:
+    """The request ids the engine's scheduler preempts from now on, in order (the list fills as it runs)."""
+    preempted = []
+    original = llm.engine.scheduler._preempt
+
+    def spy(seq):
+        preempted.append(seq.request_id)
+        original(seq)
+    llm.engine.scheduler._preempt = spy
+    return preempted

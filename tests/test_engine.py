@@ -5,7 +5,7 @@ import torch
 
 from qwenserve import LLM, SamplingParams
 
-from helpers import save_hf_dir, tiny_hf_model
+from helpers import record_preemptions, save_hf_dir, tiny_hf_model
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -95,13 +95,7 @@ def test_preemption_keeps_greedy_output(tiny, llm):
     # 2 kv heads * 16 dims * 2 layers * 2 (K, V) * 4 bytes = 512 bytes per token: 96 KiB = 192 tokens,
     # far less than the six requests need together (about 640 tokens)
     tight = LLM(path, dtype="float32", kv_cache_memory=96 * 1024)
-    preempted = []
-    original = tight.engine.scheduler._preempt
-
-    def spy(seq):
-        preempted.append(seq.request_id)
-        original(seq)
-    tight.engine.scheduler._preempt = spy
+    preempted = record_preemptions(tight)
     assert token_ids(run(tight, ps, max_tokens=60, **GREEDY)) == ample
     assert preempted, "the test did not exercise preemption"
     assert_no_leak(tight)

@@ -13,7 +13,7 @@ from qwenserve.config.errors import ConfigError
 from qwenserve.entrypoints.cli.engine_args import add_engine_args, engine_config_from_args
 from qwenserve.model.layers.attention import Attention, DecodeGroup, PagedKVCache, dequantize_kv, quantize_kv
 
-from helpers import save_hf_dir, tiny_hf_model
+from helpers import record_preemptions, save_hf_dir, tiny_hf_model
 from test_engine import GREEDY, assert_no_leak, prompts, run
 
 CODES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -139,13 +139,7 @@ def test_int8_cache_with_prefix_hits_chunked_prefill_and_preemption(tiny):
     # tokens, far less than the six requests need together (about 480 tokens); prompts prefilled 32 tokens a step
     llm = LLM(tiny, dtype="float32", kv_cache_dtype="int8", kv_cache_memory=12 * 16 * 544, max_num_batched_tokens=32)
     assert llm.engine.executor.num_kv_blocks == 12
-    preempted = []
-    original = llm.engine.scheduler._preempt
-
-    def spy(seq):
-        preempted.append(seq.request_id)
-        original(seq)
-    llm.engine.scheduler._preempt = spy
+    preempted = record_preemptions(llm)
     first = run(llm, ps[:1], max_tokens=20, **GREEDY)
     rest = run(llm, ps[1:], max_tokens=20, **GREEDY)
     assert preempted, "the test did not exercise preemption"
