@@ -54,8 +54,9 @@ class GGMLBlockLinearMethod(LinearMethod):
         layer.dense_from_rows = dense_from_rows(layer.weight_dtype)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        layer.segments = _merge_adjacent(sorted(layer.segments, key=lambda s: s[0]))
+        layer.segments.sort(key=lambda s: s[0])
         if layer.ggml_ops is not None:
+            layer.segments = _merge_adjacent(layer.segments)
             return
         weight = torch.zeros(layer.output_size, layer.input_size, dtype=layer.weight_dtype, device=layer.weight_device)
         for offset, segment in layer.segments:
