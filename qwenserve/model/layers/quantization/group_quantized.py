@@ -63,11 +63,11 @@ class GroupQuantizedLinearMethod(GGMLBlockLinearMethod):
             setattr(layer, part, param)
 
     def _collect(self, layer: nn.Module, part: str, param: nn.Parameter, loaded: torch.Tensor, shard_id=None):
-        expected = torch.int32 if part != "scales" else None
-        if loaded.dim() != (1 if part == "g_idx" else 2) or (expected and loaded.dtype != expected) or \
-                (not expected and not loaded.is_floating_point()):
-            raise ValueError(f"{self.name} {part} must be a {'1' if part == 'g_idx' else '2'}-D "
-                             f"{'int32' if expected else 'floating-point'} tensor, got {loaded.dtype} "
+        dims = 1 if part == "g_idx" else 2
+        kind_ok = loaded.is_floating_point() if part == "scales" else loaded.dtype == torch.int32
+        if loaded.dim() != dims or not kind_ok:
+            kind = "floating-point" if part == "scales" else "int32"
+            raise ValueError(f"{self.name} {part} must be a {dims}-D {kind} tensor, got {loaded.dtype} "
                              f"{tuple(loaded.shape)}")
         parts = layer.arrived.setdefault(shard_id, {})
         parts[part] = loaded
@@ -115,22 +115,30 @@ class GroupQuantizedLinearMethod(GGMLBlockLinearMethod):
         super().process_weights_after_loading(layer)
 
     def _blocks(self, codes, scales, zeros, groups, layer: nn.Module):
-        """codes [out, in] whose columns' groups are contiguous -> ggml blocks, or dense rows if none fits."""
-        if layer.ggml_ops is None:  # to be run dense: the formula itself, exact
-            return ((codes - zeros[:, groups]) * scales[:, groups]).to(layer.weight_dtype)
-        blocks = groups.view(-1, BLOCK) if groups.numel() % BLOCK == 0 else None
-        if blocks is not None and bool((blocks == blocks[:, :1]).all()):
-            block_group = blocks[:, 0]
-            d, z = scales[:, block_group], zeros[:, block_group]
-            if self.bits == 4:
-                return pack_q4_0(codes, d) if bool((z == 8).all()) else pack_q4_1(codes, d, -z * d)
-            if bool((z == z.round()).all()):
-                shifted = codes - z.repeat_interleave(BLOCK, 1)
-                if bool((shifted >= -128).all() and (shifted <= 127).all()):
-                    return pack_q8_0(shifted, d)
-        logger.info("%s: a %s's groups do not fit ggml blocks; it is kept dense", self.name, type(layer).__name__)
-        weight = (codes - zeros[:, groups]) * scales[:, groups]
-        return weight.to(layer.weight_dtype)
+        """codes [out, in] whose columns' groups are contiguous -> ggml blocks, or dense rows: without the kernels
+        (the formula itself, exact), or when no block type fits (with a log line)."""
+        packed = self._pack(codes, scales, zeros, groups) if layer.ggml_ops is not None else None
+        if packed is not None:
+            return packed
+        if layer.ggml_ops is not None:
+            logger.info("%s: a %s's groups do not fit ggml blocks; it is kept dense", self.name,
+                        type(layer).__name__)
+        return ((codes - zeros[:, groups]) * scales[:, groups]).to(layer.weight_dtype)
+
+    def _pack(self, codes, scales, zeros, groups):
+        """Q4_0 / Q4_1 / Q8_0 blocks holding exactly these codes, or None when none can."""
+        if groups.numel() % BLOCK:
+            return None
+        blocks = groups.view(-1, BLOCK)
+        if not bool((blocks == blocks[:, :1]).all()):  # a block would straddle two groups
+            return None
+        d, z = scales[:, blocks[:, 0]], zeros[:, blocks[:, 0]]
+        if self.bits == 4:
+            return pack_q4_0(codes, d) if bool((z == 8).all()) else pack_q4_1(codes, d, -z * d)
+        if not bool((z == z.round()).all()):
+            return None
+        shifted = codes - z.repeat_interleave(BLOCK, 1)
+        return pack_q8_0(shifted, d) if bool((shifted >= -128).all() and (shifted <= 127).all()) else None
 
 
 def _same_order(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
