@@ -1,8 +1,10 @@
 """Property-based: random interleavings of add / step / abort / finish on the KV cache manager and the
 scheduler never leak or double-free a block, keep the worker's view of every block table (built from the
 SchedulerOutput deltas only) equal to the scheduler's, keep reference counts equal to the live block tables, and
-leave every block free or cached when nothing is live. No model runs: a step 'computes' what it scheduled."""
+leave every block free or cached when nothing is live. No model runs: a step 'computes' what it scheduled.
+With two steps in flight (pipeline parallel), no sequence is in both, and none in flight is preempted."""
 import random
+from collections import deque
 
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
@@ -28,11 +30,13 @@ class Harness:
     """The scheduler and KV manager driven through their step contract, with a fake worker that keeps block
     tables from the SchedulerOutput deltas alone (as the real one does) and samples random tokens."""
 
-    def __init__(self, num_blocks, budget, max_seqs, prefix_caching):
+    def __init__(self, num_blocks, budget, max_seqs, prefix_caching, concurrent=1):
         self.kv = KVCacheManager(num_blocks, BLOCK, prefix_caching)
-        self.sched = Scheduler(self.kv, max_seqs, budget)
+        self.sched = Scheduler(self.kv, max_seqs, budget, concurrent)
         self.requests: dict[str, list[Sequence]] = {}
         self.worker_tables: dict[int, list[int]] = {}
+        self.worker_tokens: dict[int, list[int]] = {}
+        self.in_flight: deque = deque()  # (scheduler output, ids of the sequences that sample)
         self.ids = 0
         self.rng = random.Random(0)
         self.resumptions = 0  # sequences run again after a preemption
@@ -55,35 +59,58 @@ class Harness:
         self.sched.add(seqs[0])
 
     def step(self):
-        out = self.sched.schedule()
-        assert out.total_num_scheduled_tokens <= self.sched.max_num_batched_tokens
-        assert len(self.sched.running) <= self.sched.max_num_seqs
+        """Submit steps while the queue has room (as the engine does), then complete the oldest."""
+        while len(self.in_flight) < self.sched.max_concurrent_batches:
+            out = self.sched.schedule()
+            assert out.total_num_scheduled_tokens <= self.sched.max_num_batched_tokens
+            assert len(self.sched.running) <= self.sched.max_num_seqs
+            if out.is_empty:
+                break  # not sent: its ended ids must come with the next one
+            self.in_flight.append((out, self._send(out)))
+        if not self.in_flight:
+            return
+        out, sampling = self.in_flight.popleft()
+        by_id = {s.seq_id: s for s in self.live()}
+        runner_out = ModelRunnerOutput()
+        for seq_id in sampling:
+            if seq_id in by_id:
+                runner_out.seq_ids.append(seq_id)
+                runner_out.sampled_token_ids.append(self.rng.randrange(50))
+        ran = self.sched.update_from_output(out, runner_out)
+        assert [s.seq_id for s in ran] == [i for i in out.num_scheduled_tokens if i in by_id]
+        self.sched.finish([by_id[i] for i in runner_out.seq_ids
+                           if by_id[i].num_output_tokens >= by_id[i].params.max_tokens])
+        self._drop_finished()
+
+    def _send(self, out) -> list[int]:
+        """What a worker does with the step's deltas; returns the sequences that will sample."""
         for seq_id in out.finished_seq_ids:
             del self.worker_tables[seq_id]
+            del self.worker_tokens[seq_id]
         for new in out.new_seqs:
             assert new.seq_id not in self.worker_tables
             self.worker_tables[new.seq_id] = list(new.block_ids)
+            self.worker_tokens[new.seq_id] = list(new.token_ids)
         for cached in out.cached_seqs:
             table = self.worker_tables[cached.seq_id]
             self.resumptions += cached.resumed_from_preemption
             self.worker_tables[cached.seq_id] = (list(cached.new_block_ids) if cached.resumed_from_preemption
                                                  else table + cached.new_block_ids)
+            self.worker_tokens[cached.seq_id] += cached.new_token_ids
         by_id = {s.seq_id: s for s in self.live()}
-        runner_out = ModelRunnerOutput()
+        earlier = {i for o, _ in self.in_flight for i in o.num_scheduled_tokens}
+        sampling = []
         for seq_id, n in out.num_scheduled_tokens.items():
             seq = by_id[seq_id]
+            assert seq_id not in earlier, "a sequence is in two steps in flight"
             assert seq.status == Status.RUNNING
             assert n >= 1 and seq.num_computed_tokens + n <= seq.num_tokens
             assert len(seq.block_table) * BLOCK >= seq.num_computed_tokens + n
             assert self.worker_tables[seq_id] == seq.block_table, "the worker's block table drifted"
+            assert self.worker_tokens[seq_id] == seq.token_ids, "the worker's tokens drifted"
             if seq.num_computed_tokens + n == seq.num_tokens:
-                runner_out.seq_ids.append(seq_id)
-                runner_out.sampled_token_ids.append(self.rng.randrange(50))
-        ran = self.sched.update_from_output(out, runner_out)
-        assert [s.seq_id for s in ran] == list(out.num_scheduled_tokens)
-        self.sched.finish([by_id[i] for i in runner_out.seq_ids
-                           if by_id[i].num_output_tokens >= by_id[i].params.max_tokens])
-        self._drop_finished()
+                sampling.append(seq_id)
+        return sampling
 
     def end(self, index):
         if not self.requests:
@@ -102,13 +129,14 @@ class Harness:
             assert seq.status in (Status.WAITING, Status.RUNNING)
         for seq in self.sched.waiting:
             assert not seq.block_table and seq.num_computed_tokens == 0, "a waiting sequence holds blocks"
+            assert seq.seq_id not in self.sched.in_flight, "a sequence in flight was preempted"
 
 
 @settings(max_examples=200, deadline=None)
 @given(ops=st.lists(op, min_size=15, max_size=60), num_blocks=st.integers(8, 24), budget=st.integers(1, 48),
-       max_seqs=st.integers(2, 6), prefix_caching=st.booleans())
-def test_random_operations_keep_blocks_consistent(ops, num_blocks, budget, max_seqs, prefix_caching):
-    h = Harness(num_blocks, budget, max_seqs, prefix_caching)
+       max_seqs=st.integers(2, 6), prefix_caching=st.booleans(), concurrent=st.sampled_from([1, 2]))
+def test_random_operations_keep_blocks_consistent(ops, num_blocks, budget, max_seqs, prefix_caching, concurrent):
+    h = Harness(num_blocks, budget, max_seqs, prefix_caching, concurrent)
     for o in ops:
         if o[0] == "add":
             h.add(*o[1:])
@@ -124,6 +152,9 @@ def test_random_operations_keep_blocks_consistent(ops, num_blocks, budget, max_s
         h.step()
         h.check()
     assert not h.requests, "requests never finished"
+    while h.in_flight:  # steps of aborted sequences
+        h.step()
+    assert not h.sched.in_flight
     event(f"resumed after preemption: {h.resumptions > 0}")
     event(f"prefix hits: {h.kv.hits > 0}")
     assert all(c == 0 for c in h.kv.ref_cnt)

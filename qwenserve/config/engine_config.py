@@ -80,15 +80,50 @@ class SchedulerConfig:
         _check_positive(self, "max_num_seqs", "max_num_batched_tokens")
 
 
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp",)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is split over worker processes: tensor_parallel_size ranks share every layer,
+    pipeline_parallel_size stages each own a contiguous range of layers."""
+    tensor_parallel_size: int = setting(1, "ranks that split every layer (heads, MLP columns, vocabulary) "
+                                           "(default: %(default)s)", type=int)
+    pipeline_parallel_size: int = setting(1, "stages that each hold a contiguous range of layers, with as many "
+                                             "batches in flight (default: %(default)s)", type=int)
+    distributed_executor_backend: str | None = setting(
+        None, "how the worker processes are started: mp (spawned on this host); default: mp when there is more "
+              "than one rank")
+
+    def __post_init__(self):
+        _check_positive(self, "tensor_parallel_size", "pipeline_parallel_size")
+        backend = self.distributed_executor_backend
+        if backend is not None and backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+            raise ConfigError(f"distributed_executor_backend {backend!r} is not one of "
+                              f"{', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def backend(self) -> str:
+        """'uni' (the worker in the engine's process) or the backend that starts worker processes."""
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "mp" if self.world_size > 1 else "uni"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     load: LoadConfig = field(default_factory=LoadConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     record_logits: bool = setting(False, "keep each sampled step's logits on the outputs (for compare and "
                                          "debugging; costly: full-vocabulary rows leave the worker)")
 
-    SECTIONS = {"load": LoadConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+    SECTIONS = {"load": LoadConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig}
 
     @classmethod
     def settings(cls) -> list[tuple[str | None, dataclasses.Field]]:

@@ -8,9 +8,14 @@ blocks are freed and it is recomputed later from its tokens, so it still produce
 The contract with the worker (see core/step.py): `schedule() -> SchedulerOutput` says what to run;
 `update_from_output(SchedulerOutput, ModelRunnerOutput)` records what was computed and sampled. Deciding
 that a sequence ends (stop tokens, lengths, stop strings) is the engine's; it calls `finish`.
+
+Under pipeline parallelism the engine keeps up to `max_concurrent_batches` steps in flight (one per stage).
+A sequence sits in at most one of them: later schedules skip it until its output is back, never preempt it,
+and each batch takes about an equal share of the sequences, so every stage has work.
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 
 from qwenserve.core.kv_cache_manager import KVCacheManager
@@ -19,15 +24,19 @@ from qwenserve.core.step import CachedSequenceData, ModelRunnerOutput, NewSequen
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_concurrent_batches: int = 1):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_concurrent_batches = max_concurrent_batches
+        self.in_flight: set[int] = set()  # ids of sequences in a scheduled step whose output is not back
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._live: dict[int, Sequence] = {}  # seq id -> every sequence not finished
-        # seq id -> how many of its blocks the worker knows; absent: the worker has not seen the sequence
+        # seq id -> how many of its blocks / tokens the worker knows; absent: the worker has not seen the sequence
         self._blocks_sent: dict[int, int] = {}
+        self._tokens_sent: dict[int, int] = {}
         self._finished_ids: set[int] = set()  # to tell the worker at the next schedule()
 
     def add(self, seq: Sequence) -> None:
@@ -39,16 +48,21 @@ class Scheduler:
         (self.waiting.appendleft if front else self.waiting.append)(seq)
 
     def schedule(self) -> SchedulerOutput:
+        # the ended ids go with the next step that runs (an empty one is not sent; see _add_to_batch)
         out = SchedulerOutput(finished_seq_ids=self._finished_ids)
-        self._finished_ids = set()
         budget = self.max_num_batched_tokens
+        seats = self._batch_seats()
         preempted = False
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and seats > 0:
             seq = self.running[i]
+            if seq.seq_id in self.in_flight:
+                i += 1
+                continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.kv.allocate(seq, n):
-                victim = self.running.pop()  # the newest; never one already scheduled this step
+                victim = self._preemption_victim(i)
+                self.running.remove(victim)
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
@@ -56,10 +70,11 @@ class Scheduler:
             else:
                 self._add_to_batch(out, seq, n)
                 budget -= n
+                seats -= 1
                 i += 1
         if preempted:
             return out  # no admissions while memory is this tight
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and seats > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             cached = self.kv.find_cached_prefix(seq)
             n = min(seq.num_tokens - len(cached) * self.kv.block_size, budget)
@@ -72,7 +87,24 @@ class Scheduler:
             self.running.append(seq)
             self._add_to_batch(out, seq, n)
             budget -= n
+            seats -= 1
         return out
+
+    def _batch_seats(self) -> int:
+        """Sequences this step may take: all it can, or with several steps in flight an equal share of the
+        live ones, so that the next step has sequences left to run."""
+        if self.max_concurrent_batches == 1:
+            return self.max_num_seqs
+        live = len(self.running) + len(self.waiting)
+        return max(1, math.ceil(live / self.max_concurrent_batches))
+
+    def _preemption_victim(self, i: int) -> Sequence:
+        """The newest running sequence not scheduled this step (those sit before i) nor in flight; failing
+        that, running[i] itself."""
+        for seq in reversed(self.running[i + 1:]):
+            if seq.seq_id not in self.in_flight:
+                return seq
+        return self.running[i]
 
     def _add_to_batch(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
         sent = self._blocks_sent.get(seq.seq_id)
@@ -82,9 +114,13 @@ class Scheduler:
         else:
             # 0 blocks sent happens only after a preemption (a scheduled sequence always holds a block)
             out.cached_seqs.append(CachedSequenceData(seq.seq_id, seq.block_table[sent:], seq.num_computed_tokens,
+                                                      seq.token_ids[self._tokens_sent[seq.seq_id]:],
                                                       resumed_from_preemption=sent == 0))
         self._blocks_sent[seq.seq_id] = len(seq.block_table)
+        self._tokens_sent[seq.seq_id] = seq.num_tokens
         out.num_scheduled_tokens[seq.seq_id] = n
+        self.in_flight.add(seq.seq_id)
+        self._finished_ids = set()  # out holds the old set
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[Sequence]:
@@ -92,6 +128,7 @@ class Scheduler:
         siblings of an n > 1 request once its prompt is done. Returns the scheduled sequences still live."""
         ran = []
         for seq_id, n in scheduler_output.num_scheduled_tokens.items():
+            self.in_flight.discard(seq_id)
             seq = self._live.get(seq_id)
             if seq is not None:  # else ended while its step ran
                 seq.num_computed_tokens += n
@@ -136,5 +173,6 @@ class Scheduler:
             self.kv.free_sequence(seq)
             seq.status = Status.FINISHED
             self._live.pop(seq.seq_id, None)
+            self._tokens_sent.pop(seq.seq_id, None)
             if self._blocks_sent.pop(seq.seq_id, None) is not None:
                 self._finished_ids.add(seq.seq_id)

@@ -29,10 +29,13 @@ class NewSequenceData:
 
 @dataclass
 class CachedSequenceData:
-    """A sequence the worker already holds (its tokens, including every token it sampled, and its generator)."""
+    """A sequence the worker already holds (its tokens and its generator)."""
     seq_id: int
     new_block_ids: list[int]  # appended to its block table; after a preemption, the whole new table
     num_computed_tokens: int
+    # tokens sampled since the worker last saw the sequence: every worker learns them from here, because under
+    # pipeline parallelism only the last stage samples
+    new_token_ids: list[int] = field(default_factory=list)
     resumed_from_preemption: bool = False  # its old blocks are gone: new_block_ids replace the table
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from qwenserve.engine.llm_engine import LLMEngine
 from qwenserve.engine.outputs import RequestOutput
+from qwenserve.executor.abstract import ExecutorDeadError
 from qwenserve.sample.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ class AsyncLLMEngine:
         loop = asyncio.get_running_loop()
         stream: asyncio.Queue = asyncio.Queue()
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(_Add(request_id, prompt, params, stream, loop, done))
+        self._send(_Add(request_id, prompt, params, stream, loop, done))
         await asyncio.wrap_future(done)  # raises the engine's ValueError for a bad request
         return stream
 
@@ -112,13 +113,19 @@ class AsyncLLMEngine:
         """Run fn(engine) on the engine thread (for statistics that must not race with a step)."""
         self._check_alive()
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(_Call(fn, done))
+        self._send(_Call(fn, done))
         return await asyncio.wrap_future(done)
+
+    def _send(self, cmd) -> None:
+        self._commands.put(cmd)
+        if self._stopped.is_set():  # the engine thread may have left before it could see cmd
+            self._refuse_pending()
 
     def shutdown(self) -> None:
         self._stopped.set()
         self._commands.put(None)
         self._thread.join(timeout=10)
+        self.engine.shutdown()
 
     @property
     def alive(self) -> bool:
@@ -141,14 +148,33 @@ class AsyncLLMEngine:
                 pass
             try:
                 outputs = self.engine.step()
+            except ExecutorDeadError as e:  # a worker is gone: nothing more can run
+                logger.error("engine stopped: %s; failing %d live requests", e, len(self._streams))
+                self._fail_all(EngineDeadError(f"the engine stopped: {e}"))
+                break
             except Exception as e:  # a bug, not a bad request: fail every live request, keep serving
                 logger.exception("engine step failed; aborting %d live requests", len(self._streams))
-                for rid in list(self._streams):
-                    self.engine.abort_request(rid)
-                    self._deliver(rid, e, final=True)
+                self._fail_all(e)
                 continue
             for out in outputs:
                 self._deliver(out.request_id, out, final=out.finished)
+        self._stopped.set()
+        self._refuse_pending()
+
+    def _fail_all(self, error: Exception) -> None:
+        for rid in list(self._streams):
+            self.engine.abort_request(rid)
+            self._deliver(rid, error, final=True)
+
+    def _refuse_pending(self) -> None:
+        """Answer the commands that arrived as the engine stopped, so no caller waits forever."""
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, (_Add, _Call)) and not cmd.done.done():
+                cmd.done.set_exception(EngineDeadError("the engine is not running"))
 
     def _handle(self, cmd) -> None:
         if cmd is None:

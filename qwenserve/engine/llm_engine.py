@@ -6,15 +6,19 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import deque
 
 from qwenserve.config.engine_config import EngineConfig
 from qwenserve.config.errors import RequestError
 from qwenserve.core.kv_cache_manager import KVCacheManager
 from qwenserve.core.request import Sequence
 from qwenserve.core.scheduler import Scheduler
+from qwenserve.core.step import SchedulerOutput
 from qwenserve.engine.input_processor import InputProcessor
 from qwenserve.engine.output_processor import OutputProcessor
 from qwenserve.engine.outputs import RequestOutput
+from qwenserve.executor.abstract import Executor
+from qwenserve.executor.multiproc_executor import MultiprocExecutor
 from qwenserve.executor.uniproc_executor import UniProcExecutor
 from qwenserve.model.loader.model_loader import ModelSpec
 from qwenserve.sample.sampling_params import SamplingParams
@@ -36,10 +40,12 @@ class LLMEngine:
         # sampling defaults from the checkpoint, for requests that do not set them (the server applies them)
         self.generation_defaults = {k: generation[k] for k in GENERATION_DEFAULT_KEYS if generation.get(k) is not None}
 
-        self.executor = UniProcExecutor(config, self.spec)
+        self.executor = make_executor(config, self.spec)
         self.kv = KVCacheManager(self.executor.num_kv_blocks, config.cache.block_size,
                                  config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv, config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
+                                   self.executor.max_concurrent_batches)
+        self._in_flight: deque[SchedulerOutput] = deque()  # submitted steps, oldest first
         self.input_processor = InputProcessor(self.tokenizer, checkpoint.config.vocab_size, self.max_model_len,
                                               frozenset(self.spec.stop_token_ids(self.tokenizer)),
                                               config.cache.block_size, self.kv.num_blocks)
@@ -70,16 +76,26 @@ class LLMEngine:
             self.scheduler.finish(live)
         return output
 
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.output_processor.requests)
 
     # ---- the step -------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        scheduler_output = self.scheduler.schedule()
-        if scheduler_output.is_empty:
+        """Fill the executor's queue of steps, then finish the oldest."""
+        while len(self._in_flight) < self.executor.max_concurrent_batches:
+            scheduler_output = self.scheduler.schedule()
+            if scheduler_output.is_empty:
+                break
+            self.executor.submit(scheduler_output)
+            self._in_flight.append(scheduler_output)
+        if not self._in_flight:
             return []
-        runner_output = self.executor.execute_model(scheduler_output)
+        scheduler_output = self._in_flight.popleft()
+        runner_output = self.executor.collect()
         ran = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs, finished = self.output_processor.process(ran, runner_output)
         self.scheduler.finish(finished)
@@ -96,3 +112,9 @@ class LLMEngine:
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "kv_usage": kv.usage, "hit_rate": kv.hits / kv.queries if kv.queries else 0.0,
                 "aborted": self.num_aborted, "free_blocks": kv.num_free_blocks, "num_blocks": kv.num_blocks}
+
+
+def make_executor(config: EngineConfig, spec: ModelSpec) -> Executor:
+    if config.parallel.backend == "uni":
+        return UniProcExecutor(config, spec)
+    return MultiprocExecutor(config, spec)

@@ -1,6 +1,8 @@
 """The executor that runs one worker in the engine's own process."""
 from __future__ import annotations
 
+from collections import deque
+
 from qwenserve.config.engine_config import EngineConfig
 from qwenserve.core.step import ModelRunnerOutput, SchedulerOutput
 from qwenserve.executor.abstract import Executor
@@ -12,6 +14,10 @@ class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig, spec: ModelSpec):
         self.worker = Worker(config, spec)
         self.num_kv_blocks = self.worker.num_kv_blocks
+        self._submitted: deque[SchedulerOutput] = deque()
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.worker.execute_model(scheduler_output)
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
+        self._submitted.append(scheduler_output)  # run in collect(): there is nothing to overlap with
+
+    def collect(self) -> ModelRunnerOutput:
+        return self.worker.execute_model(self._submitted.popleft())

@@ -68,6 +68,7 @@ class InputBatch:
                                                   list(new.block_ids), new.num_computed_tokens, generator)
         for cached in scheduler_output.cached_seqs:
             seq = self.seqs[cached.seq_id]
+            seq.token_ids.extend(cached.new_token_ids)
             if cached.resumed_from_preemption:
                 seq.block_table = list(cached.new_block_ids)
             else:

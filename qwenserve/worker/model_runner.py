@@ -18,9 +18,10 @@ def full_logits(model: Qwen2ForCausalLM, token_ids: list[int]) -> torch.Tensor:
     """Logits at every position of one sequence ([T, vocab], float32) from a single prefill, with a cache of
     its own: for scoring, validation and tests."""
     device = model.device
-    attn = model.model.layers[0].self_attn
+    layers = model.model.own_layers
+    attn = layers[0].self_attn
     n, block = len(token_ids), 16
-    cache = PagedKVCache(len(model.model.layers), -(-n // block), block, attn.num_kv_heads, attn.head_dim,
+    cache = PagedKVCache(len(layers), -(-n // block), block, attn.num_kv_heads, attn.head_dim,
                          model.dtype, device)
     positions = torch.arange(n, device=device)
     metadata = AttentionMetadata(cache, positions, [], [PrefillSpan(0, n, None, n)])
@@ -40,16 +41,24 @@ class ModelRunner:
         self.record_logits = record_logits
 
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Sampled tokens on the last pipeline stage; None on the others, which pass their activations on."""
         self.input_batch.update(scheduler_output)
         inputs = self.input_batch.prepare(scheduler_output, self.kv_cache)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        pp = self.model.pp
+        intermediate = None
+        if not pp.is_first:
+            intermediate = pp.recv(len(inputs.input_ids), self.model.config.hidden_size, self.model.dtype,
+                                   self.device)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata, intermediate)
+        if not pp.is_last:
+            pp.send(*hidden)
+            return None
         out = ModelRunnerOutput()
         if inputs.sampling_seqs:
+            # the sequences' token lists grow when the scheduler sends these tokens back (step.py)
             logits = self.model.compute_logits(hidden[inputs.sample_rows]).cpu()
             sampled = self.sampler(logits, inputs.sampling_seqs)
-            for seq, token in zip(inputs.sampling_seqs, sampled.token_ids):
-                seq.token_ids.append(token)
             out.seq_ids = [seq.seq_id for seq in inputs.sampling_seqs]
             out.sampled_token_ids = sampled.token_ids
             out.logprobs = sampled.logprobs

@@ -17,7 +17,7 @@ from qwenserve.model.layers.quantization import QUANTIZATIONS, QuantizationSchem
 from qwenserve.model.loader.checkpoint import Checkpoint, open_checkpoint
 from qwenserve.model.loader.ggml_tensor import GGMLTensor
 from qwenserve.model.models.qwen2 import Qwen2ForCausalLM
-from qwenserve.model.parallel import TensorParallel
+from qwenserve.model.parallel import PipelineParallel, TensorParallel
 
 logger = logging.getLogger(__name__)
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -39,7 +39,8 @@ def _default_dtype(dtype: torch.dtype):
 
 def load_model(checkpoint: Checkpoint, dtype: torch.dtype, max_model_len: int,
                tp: TensorParallel = TensorParallel(), device: str | torch.device = "cpu",
-               quantization: QuantizationScheme = QuantizationScheme()) -> Qwen2ForCausalLM:
+               quantization: QuantizationScheme = QuantizationScheme(),
+               pp: PipelineParallel = PipelineParallel()) -> Qwen2ForCausalLM:
     """The model with its weights loaded; GGUF tensors of a type in quantization.keep_types reach their
     parameters as blocks (a linear method that runs them), others dequantized."""
     start = time.perf_counter()
@@ -47,10 +48,12 @@ def load_model(checkpoint: Checkpoint, dtype: torch.dtype, max_model_len: int,
         logger.warning("quantized weights: our kernels do not run on %s; they are dequantized at load (dense "
                        "memory and speed)", device)
     with _default_dtype(dtype), torch.device(device):
-        model = Qwen2ForCausalLM(checkpoint.config, max_model_len, tp, quantization)
-    attn = model.model.layers[0].self_attn
-    logger.info("tensor-parallel rank %d of %d: %d query heads, %d kv heads", tp.rank, tp.size, attn.num_heads,
-                attn.num_kv_heads)
+        model = Qwen2ForCausalLM(checkpoint.config, max_model_len, tp, quantization, pp)
+    attn = model.model.own_layers[0].self_attn
+    if tp.size > 1 or pp.size > 1:
+        logger.info("tensor-parallel rank %d of %d: %d query heads, %d kv heads; pipeline stage %d of %d: layers "
+                    "%d-%d", tp.rank, tp.size, attn.num_heads, attn.num_kv_heads, pp.rank, pp.size,
+                    model.model.start_layer, model.model.end_layer - 1)
     load_weights(model, checkpoint.weights(quantization.keep_types), checkpoint.naming)
     model.process_weights_after_loading()
     logger.info("loaded %s weights in %.1f s", checkpoint.path, time.perf_counter() - start)
@@ -61,16 +64,16 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
     """Copy checkpoint tensors (HF names) into the model; raise listing every missing and unexpected tensor."""
     params = dict(model.named_parameters())  # a tied LM head appears once, as the embedding
     packed = getattr(model, "packed_modules_mapping", {})
-    tied = "lm_head.weight" not in params
     loaded: set[tuple[str, object]] = set()
     unexpected: list[str] = []
     for name, tensor in weights:
-        if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+        target = model.checkpoint_target(name)  # None: a tied head's copy, or another pipeline stage's
+        if name.endswith(_IGNORED_SUFFIXES) or target is None:
             continue
-        target, shard = name, None
+        shard = None
         for ckpt_part, (fused, shard_id) in packed.items():
-            if f".{ckpt_part}." in name:
-                target, shard = name.replace(f".{ckpt_part}.", f".{fused}."), shard_id
+            if f".{ckpt_part}." in target:
+                target, shard = target.replace(f".{ckpt_part}.", f".{fused}."), shard_id
                 break
         param = params.get(target)
         if param is None:
@@ -185,9 +188,10 @@ class ModelSpec:
                 ids.update(v for v in value if isinstance(v, int))
         return ids
 
-    def load_model(self, device: str | torch.device = "cpu", tp: TensorParallel = TensorParallel()) -> Qwen2ForCausalLM:
+    def load_model(self, device: str | torch.device = "cpu", tp: TensorParallel = TensorParallel(),
+                   pp: PipelineParallel = PipelineParallel()) -> Qwen2ForCausalLM:
         return load_model(self.checkpoint, self.dtype, self.max_model_len, tp, device,
-                          _scheme(self.quantization, self.checkpoint))
+                          _scheme(self.quantization, self.checkpoint), pp)
 
 
 class LoadedModel:

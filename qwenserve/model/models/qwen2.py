@@ -2,6 +2,11 @@
 
 forward(input_ids [T], positions [T], attn_metadata) -> hidden states [T, hidden]; compute_logits(hidden) for the
 positions that need them. The model knows nothing of requests: the caller decides which rows get logits.
+
+Under pipeline parallelism a stage builds only its own layers (the others are parameterless placeholders, so
+checkpoint names keep their layer numbers): the embedding on the first stage, the final norm and the LM head on
+the last. A stage that is not the first takes (hidden, residual) from the previous one; one that is not the
+last returns them instead of hidden states.
 """
 from __future__ import annotations
 
@@ -16,12 +21,13 @@ from qwenserve.model.layers.layernorm import RMSNorm
 from qwenserve.model.layers.linear import LinearMethod, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from qwenserve.model.layers.quantization import QuantizationScheme
 from qwenserve.model.layers.rotary import RotaryEmbedding
-from qwenserve.model.parallel import TensorParallel, check_head_split
+from qwenserve.model.parallel import PipelineParallel, TensorParallel, check_head_split
 
 
 class Qwen2Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, max_position: int, tp: TensorParallel,
                  linear_method: LinearMethod | None):
+        """layer_idx: this layer's index in the stage's KV cache."""
         super().__init__()
         head_dim = config.head_dim
         self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
@@ -81,19 +87,42 @@ class Qwen2DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+class MissingLayer(nn.Module):
+    """Where another pipeline stage owns the layer: no parameters, never called."""
+
+
+def layer_cost(config: ModelConfig) -> tuple[int, int]:
+    """(weights of one decoder layer, weights of the LM head): what a decode step reads, to balance stages."""
+    h, kv = config.hidden_size, config.num_key_value_heads * config.head_dim
+    return h * (h + 2 * kv) + h * h + 3 * h * config.intermediate_size, config.vocab_size * h
+
+
 class Qwen2Model(nn.Module):
     def __init__(self, config: ModelConfig, max_position: int, tp: TensorParallel, linear_method: LinearMethod | None,
-                 embedding_blocks: bool = False):
+                 embedding_blocks: bool = False, pp: PipelineParallel = PipelineParallel()):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, embedding_blocks)
-        self.layers = nn.ModuleList(Qwen2DecoderLayer(config, i, max_position, tp, linear_method)
-                                    for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.pp = pp
+        self.start_layer, self.end_layer = pp.layer_range(config.num_hidden_layers, *layer_cost(config))
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, embedding_blocks)
+                             if pp.is_first else None)
+        self.layers = nn.ModuleList(
+            Qwen2DecoderLayer(config, i - self.start_layer, max_position, tp, linear_method)
+            if self.start_layer <= i < self.end_layer else MissingLayer() for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if pp.is_last else None
 
-    def forward(self, input_ids, positions, attn_metadata):
-        hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+    @property
+    def own_layers(self) -> list[Qwen2DecoderLayer]:
+        return list(self.layers[self.start_layer:self.end_layer])
+
+    def forward(self, input_ids, positions, attn_metadata, intermediate=None):
+        if self.pp.is_first:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = intermediate
+        for layer in self.own_layers:
             hidden, residual = layer(positions, hidden, residual, attn_metadata)
+        if not self.pp.is_last:
+            return hidden, residual
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -109,30 +138,52 @@ class Qwen2ForCausalLM(nn.Module):
     }
 
     def __init__(self, config: ModelConfig, max_position: int, tp: TensorParallel = TensorParallel(),
-                 quantization: QuantizationScheme = QuantizationScheme()):
+                 quantization: QuantizationScheme = QuantizationScheme(), pp: PipelineParallel = PipelineParallel()):
         """quantization: how the linear layers and the LM head hold and apply their weights (default: dense)."""
         super().__init__()
         check_head_split(config.num_attention_heads, config.num_key_value_heads, tp.size)
         self.config = config
+        self.pp = pp
         self.dtype = torch.get_default_dtype()  # parameters are created in it (see model_loader)
         # a tied head reads the embedding's dense weight: the embedding keeps blocks only when untied
         self.model = Qwen2Model(config, max_position, tp, quantization.layers,
-                                quantization.embedding_blocks and not config.tie_word_embeddings)
-        # a tied head reads the embedding's dense weight, so it keeps the dense method
-        head_method = None if config.tie_word_embeddings else quantization.lm_head
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, head_method)
-        if config.tie_word_embeddings:
-            self.lm_head.tie_to(self.model.embed_tokens)
+                                quantization.embedding_blocks and not config.tie_word_embeddings, pp)
+        self.lm_head = None
+        if pp.is_last:
+            # a tied head reads the embedding's dense weight, so it keeps the dense method
+            head_method = None if config.tie_word_embeddings else quantization.lm_head
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, head_method)
+            if config.tie_word_embeddings and pp.is_first:
+                self.lm_head.tie_to(self.model.embed_tokens)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, attn_metadata)
+    def checkpoint_target(self, name: str) -> str | None:
+        """The parameter name a checkpoint tensor loads into, or None when another pipeline stage owns it. A
+        tied head on a last stage without the embedding loads its own copy of the embedding's weight."""
+        if name.startswith("model.layers."):
+            index = int(name.split(".")[2])
+            return name if self.model.start_layer <= index < self.model.end_layer else None
+        if name.startswith("model.embed_tokens."):
+            if self.model.embed_tokens is not None:
+                return name
+            tied_head_here = self.lm_head is not None and self.config.tie_word_embeddings
+            return name.replace("model.embed_tokens.", "lm_head.") if tied_head_here else None
+        if name.startswith("model.norm."):
+            return name if self.pp.is_last else None
+        if name.startswith("lm_head."):
+            return name if self.pp.is_last and not self.config.tie_word_embeddings else None
+        return name
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """Hidden states on the last stage; (hidden, residual) for the next stage on the others."""
+        return self.model(input_ids, positions, attn_metadata, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)
 
     @property
     def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
+        return next(self.parameters()).device
 
     def process_weights_after_loading(self) -> None:
         """Let each linear method re-arrange its loaded weights (e.g. oneDNN packing in bf16 on the CPU)."""

@@ -1,0 +1,241 @@
+"""The executor that runs one worker process per rank on this host (tensor_parallel_size x
+pipeline_parallel_size of them, spawned), joined by torch.distributed: gloo on CPU, NCCL on CUDA.
+
+Each step's SchedulerOutput is broadcast to every worker through shared memory (shm_queue.py); the last
+stage's first tensor rank returns the sampled tokens through a second queue. Every worker runs the same
+scheduler deltas, so their sequence state agrees without further messages.
+
+Failure and exit: a worker that fails a step reports the traceback on its pipe to the engine and exits; the
+engine sees a dead worker within half a second (while it waits for output), stops the others and raises
+ExecutorDeadError. A worker exits by itself when the engine's end of its pipe closes, which the kernel does
+even when the engine is killed with SIGKILL, so no worker outlives the engine.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import multiprocessing
+import os
+import queue
+import socket
+import sys
+import threading
+import traceback
+import weakref
+from multiprocessing.connection import wait
+
+import torch
+
+from qwenserve.config.engine_config import EngineConfig
+from qwenserve.core.step import ModelRunnerOutput, SchedulerOutput
+from qwenserve.executor.abstract import Executor, ExecutorDeadError
+from qwenserve.executor.shm_queue import ShmQueue
+from qwenserve.model.loader.model_loader import ModelSpec
+from qwenserve.worker.cpu_tuning import bind_to_cpus, cpu_sets_for_ranks
+
+logger = logging.getLogger(__name__)
+HEALTH_CHECK_SECONDS = 0.5  # how often a waiting engine looks for dead workers
+STOP_SECONDS = 5.0  # how long shutdown waits for a worker to leave by itself before killing it
+
+
+class WorkerStartError(RuntimeError):
+    """A worker process failed before it could serve (bad checkpoint, out of memory, ...)."""
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, config: EngineConfig, spec: ModelSpec):
+        parallel = config.parallel
+        self.tp_size, self.pp_size = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+        world = self.tp_size * self.pp_size
+        self.max_concurrent_batches = self.pp_size
+        self.output_rank = (self.pp_size - 1) * self.tp_size  # the last stage's first tensor rank
+        ctx = multiprocessing.get_context("spawn")
+        self._steps = ShmQueue(ctx, num_readers=world)
+        self._results = ShmQueue(ctx, num_readers=1)
+        self._results_reader = self._results.reader(0)
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        self._dead: str | None = None
+        self._procs, self._conns = [], []
+        for rank, cpus in enumerate(cpu_sets_for_ranks(world)):
+            engine_end, worker_end = ctx.Pipe()
+            proc = ctx.Process(
+                target=run_worker, name=f"qwenserve-worker-{rank}", daemon=True,
+                args=(rank, config, self._steps.reader(rank), self._results if rank == self.output_rank else None,
+                      worker_end, cpus, init_method, logging.getLogger("qwenserve").getEffectiveLevel()))
+            with _main_module_hidden():
+                proc.start()
+            worker_end.close()  # the worker holds the only other end: its EOF is the engine's exit
+            self._procs.append(proc)
+            self._conns.append(engine_end)
+        self._finalizer = weakref.finalize(self, _stop_workers, self._procs, self._conns, self._steps,
+                                           self._results)
+        try:
+            self.num_kv_blocks = self._wait_until_ready()
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("%d worker processes ready (tensor parallel %d x pipeline parallel %d, %s)", world,
+                    self.tp_size, self.pp_size, init_method)
+
+    def _wait_until_ready(self) -> int:
+        """Each worker's (KV blocks) once loaded; the first failure raised as it happened in the worker."""
+        blocks = set()
+        for rank, (proc, conn) in enumerate(zip(self._procs, self._conns)):
+            while not conn.poll(HEALTH_CHECK_SECONDS):
+                if not proc.is_alive():
+                    raise WorkerStartError(f"worker rank {rank} exited with code {proc.exitcode} while starting"
+                                           f"{self._failure_of(rank)}")
+            try:
+                kind, *payload = conn.recv()
+            except EOFError:
+                proc.join(STOP_SECONDS)
+                raise WorkerStartError(f"worker rank {rank} exited with code {proc.exitcode} while starting")
+            if kind == "error":
+                error, text = payload
+                logger.error("worker rank %d failed to start:\n%s", rank, text)
+                raise error
+            blocks.add(payload[0])
+        assert len(blocks) == 1, f"workers disagree on the KV cache size: {blocks}"
+        return blocks.pop()
+
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
+        self.check_health()
+        self._steps.put(scheduler_output)
+
+    def collect(self) -> ModelRunnerOutput:
+        while True:
+            try:
+                return self._results_reader.get(timeout=HEALTH_CHECK_SECONDS)
+            except queue.Empty:
+                self.check_health()
+
+    def check_health(self) -> None:
+        if self._dead is None:
+            for rank, proc in enumerate(self._procs):
+                if not proc.is_alive():
+                    self._dead = f"worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}" \
+                                 f"{self._failure_of(rank)}"
+                    logger.error("%s; stopping the other workers", self._dead)
+                    self.shutdown()
+                    break
+        if self._dead is not None:
+            raise ExecutorDeadError(self._dead)
+
+    def _failure_of(self, rank: int) -> str:
+        """': <the error it reported>' if the worker said why it stopped."""
+        conn = self._conns[rank]
+        try:
+            if conn.poll(0):
+                kind, error, text = conn.recv()
+                logger.error("worker rank %d failed:\n%s", rank, text)
+                return f": {type(error).__name__}: {error}"
+        except (EOFError, OSError, ValueError):
+            pass
+        return ""
+
+    def shutdown(self) -> None:
+        if self._dead is None:
+            self._dead = "the executor was shut down"
+        self._finalizer()
+
+
+def _stop_workers(procs, conns, steps: ShmQueue, results: ShmQueue) -> None:
+    """Ask every worker to leave, kill those that do not, then free the queues."""
+    if all(p.is_alive() for p in procs):
+        try:
+            steps.put(None)  # every reader takes it; a live worker is never a whole ring behind
+        except Exception:  # noqa: BLE001 (shutting down: the kill below still runs)
+            pass
+    for proc in procs:
+        proc.join(timeout=STOP_SECONDS if proc.is_alive() else 0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=STOP_SECONDS)
+    for conn in conns:
+        conn.close()
+    steps.close()
+    results.close()
+
+
+@contextlib.contextmanager
+def _main_module_hidden():
+    """Spawn re-imports the parent's __main__ in the child, which reruns a user's script that has no
+    `if __name__ == "__main__"` guard (and so starts another engine). A worker needs nothing from __main__,
+    so it is hidden while the process starts."""
+    main = sys.modules["__main__"]
+    saved = {name: main.__dict__[name] for name in ("__file__", "__spec__") if name in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__spec__ = None
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- the worker process -----------------------------------------------------------------------------------
+
+def run_worker(rank: int, config: EngineConfig, steps: ShmQueue, results: ShmQueue | None, conn,
+               cpus: set[int] | None, init_method: str, log_level: int) -> None:
+    """Main of a worker process: join the others, load this rank's part of the model, then run steps until
+    the engine says stop (None) or goes away."""
+    logging.basicConfig(level=log_level, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
+    threading.Thread(target=_exit_with_engine, args=(conn,), daemon=True, name="engine-watch").start()
+    from qwenserve.model.parallel import init_model_parallel
+    from qwenserve.worker.worker import Worker
+
+    try:
+        bind_to_cpus(cpus)
+        parallel = config.parallel
+        device = torch.device(config.load.device)
+        if device.type == "cuda":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+            config = _with_device(config, f"cuda:{torch.cuda.current_device()}")
+        tp, pp = init_model_parallel(rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
+                                     init_method, "nccl" if device.type == "cuda" else "gloo")
+        load = config.load
+        worker = Worker(config, ModelSpec.resolve(load.model, load.dtype, load.max_model_len, load.quantization),
+                        tp, pp)
+    except Exception as e:  # noqa: BLE001 (reported to the engine, which raises it)
+        _report_and_exit(conn, e)
+    conn.send(("ready", worker.num_kv_blocks))
+    while True:
+        scheduler_output = steps.get()
+        if scheduler_output is None:
+            break
+        try:
+            output = worker.execute_model(scheduler_output)
+        except Exception as e:  # noqa: BLE001 (a bug: the engine fails the requests and stops the workers)
+            _report_and_exit(conn, e)
+        if results is not None:
+            results.put(output)
+    os._exit(0)  # no interpreter teardown: the process group and its threads need no goodbye
+
+
+def _report_and_exit(conn, error: Exception) -> None:
+    text = traceback.format_exc()
+    try:
+        conn.send(("error", error, text))
+    except Exception:  # noqa: BLE001 (an exception that does not pickle travels as its text)
+        conn.send(("error", RuntimeError(f"{type(error).__name__}: {error}"), text))
+    os._exit(1)
+
+
+def _exit_with_engine(conn) -> None:
+    """Block on the engine's end of the pipe; it only ever closes (EOF), and then this worker leaves."""
+    try:
+        conn.recv()
+    except (EOFError, OSError):
+        pass
+    os._exit(0)
+
+
+def _with_device(config: EngineConfig, device: str) -> EngineConfig:
+    return dataclasses.replace(config, load=dataclasses.replace(config.load, device=device))
