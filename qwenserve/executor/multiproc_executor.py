@@ -23,7 +23,6 @@ import sys
 import threading
 import traceback
 import weakref
-from multiprocessing.connection import wait
 
 import torch
 
@@ -32,7 +31,9 @@ from qwenserve.core.step import ModelRunnerOutput, SchedulerOutput
 from qwenserve.executor.abstract import Executor, ExecutorDeadError
 from qwenserve.executor.shm_queue import ShmQueue
 from qwenserve.model.loader.model_loader import ModelSpec
+from qwenserve.model.parallel import PipelineParallel, check_head_split, init_model_parallel, layer_partition_from_env
 from qwenserve.worker.cpu_tuning import bind_to_cpus, cpu_sets_for_ranks
+from qwenserve.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 HEALTH_CHECK_SECONDS = 0.5  # how often a waiting engine looks for dead workers
@@ -48,6 +49,7 @@ class MultiprocExecutor(Executor):
         parallel = config.parallel
         self.tp_size, self.pp_size = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
         world = self.tp_size * self.pp_size
+        _check_split(spec, self.tp_size, self.pp_size)  # here, rather than in every worker after it spawned
         self.max_concurrent_batches = self.pp_size
         self.output_rank = (self.pp_size - 1) * self.tp_size  # the last stage's first tensor rank
         ctx = multiprocessing.get_context("spawn")
@@ -79,25 +81,34 @@ class MultiprocExecutor(Executor):
                     self.tp_size, self.pp_size, init_method)
 
     def _wait_until_ready(self) -> int:
-        """Each worker's (KV blocks) once loaded; the first failure raised as it happened in the worker."""
-        blocks = set()
-        for rank, (proc, conn) in enumerate(zip(self._procs, self._conns)):
-            while not conn.poll(HEALTH_CHECK_SECONDS):
-                if not proc.is_alive():
-                    raise WorkerStartError(f"worker rank {rank} exited with code {proc.exitcode} while starting"
-                                           f"{self._failure_of(rank)}")
-            try:
-                kind, *payload = conn.recv()
-            except EOFError:
-                proc.join(STOP_SECONDS)
-                raise WorkerStartError(f"worker rank {rank} exited with code {proc.exitcode} while starting")
-            if kind == "error":
-                error, text = payload
-                logger.error("worker rank %d failed to start:\n%s", rank, text)
-                raise error
-            blocks.add(payload[0])
-        assert len(blocks) == 1, f"workers disagree on the KV cache size: {blocks}"
-        return blocks.pop()
+        """Once every worker has loaded its part, tell all the fewest KV blocks any fits; returns that."""
+        fitting = [self._receive(rank, "loaded")[0] for rank in range(len(self._procs))]
+        num_blocks = min(fitting)
+        for conn in self._conns:
+            conn.send(("kv_blocks", num_blocks))
+        for rank in range(len(self._procs)):
+            self._receive(rank, "ready")
+        return num_blocks
+
+    def _receive(self, rank: int, expected: str) -> list:
+        """The payload of worker rank's next message, which must be `expected`; its error, raised here, if it
+        failed instead. No collective runs while workers start, so the first error is the cause, not an echo
+        of another worker's failure."""
+        proc, conn = self._procs[rank], self._conns[rank]
+        while not conn.poll(HEALTH_CHECK_SECONDS):
+            if not proc.is_alive():
+                break
+        try:
+            kind, *payload = conn.recv()
+        except EOFError:
+            proc.join(STOP_SECONDS)
+            raise WorkerStartError(f"worker rank {rank} exited with code {proc.exitcode} while starting") from None
+        if kind == "error":
+            error, text = payload
+            logger.error("worker rank %d failed to start:\n%s", rank, text)
+            raise error
+        assert kind == expected, (kind, expected)
+        return payload
 
     def submit(self, scheduler_output: SchedulerOutput) -> None:
         self.check_health()
@@ -138,6 +149,12 @@ class MultiprocExecutor(Executor):
         if self._dead is None:
             self._dead = "the executor was shut down"
         self._finalizer()
+
+
+def _check_split(spec: ModelSpec, tp_size: int, pp_size: int) -> None:
+    config = spec.checkpoint.config
+    check_head_split(config.num_attention_heads, config.num_key_value_heads, tp_size)
+    PipelineParallel(0, pp_size, layer_partition=layer_partition_from_env()).layer_range(config.num_hidden_layers)
 
 
 def _stop_workers(procs, conns, steps: ShmQueue, results: ShmQueue) -> None:
@@ -187,10 +204,8 @@ def run_worker(rank: int, config: EngineConfig, steps: ShmQueue, results: ShmQue
     """Main of a worker process: join the others, load this rank's part of the model, then run steps until
     the engine says stop (None) or goes away."""
     logging.basicConfig(level=log_level, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
-    threading.Thread(target=_exit_with_engine, args=(conn,), daemon=True, name="engine-watch").start()
-    from qwenserve.model.parallel import init_model_parallel
-    from qwenserve.worker.worker import Worker
-
+    from_engine: queue.Queue = queue.Queue()
+    threading.Thread(target=_watch_engine, args=(conn, from_engine), daemon=True, name="engine-watch").start()
     try:
         bind_to_cpus(cpus)
         parallel = config.parallel
@@ -203,9 +218,12 @@ def run_worker(rank: int, config: EngineConfig, steps: ShmQueue, results: ShmQue
         load = config.load
         worker = Worker(config, ModelSpec.resolve(load.model, load.dtype, load.max_model_len, load.quantization),
                         tp, pp)
+        conn.send(("loaded", worker.kv_blocks_that_fit()))
+        _, num_blocks = from_engine.get()
+        worker.init_kv_cache(num_blocks)
     except Exception as e:  # noqa: BLE001 (reported to the engine, which raises it)
         _report_and_exit(conn, e)
-    conn.send(("ready", worker.num_kv_blocks))
+    conn.send(("ready",))
     while True:
         scheduler_output = steps.get()
         if scheduler_output is None:
@@ -228,10 +246,11 @@ def _report_and_exit(conn, error: Exception) -> None:
     os._exit(1)
 
 
-def _exit_with_engine(conn) -> None:
-    """Block on the engine's end of the pipe; it only ever closes (EOF), and then this worker leaves."""
+def _watch_engine(conn, inbox: queue.Queue) -> None:
+    """Pass the engine's messages to the main thread; when the engine's end of the pipe closes (EOF), leave."""
     try:
-        conn.recv()
+        while True:
+            inbox.put(conn.recv())
     except (EOFError, OSError):
         pass
     os._exit(0)

@@ -13,6 +13,7 @@ from qwenserve.worker.worker import Worker
 class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig, spec: ModelSpec):
         self.worker = Worker(config, spec)
+        self.worker.init_kv_cache(self.worker.kv_blocks_that_fit())
         self.num_kv_blocks = self.worker.num_kv_blocks
         self._submitted: deque[SchedulerOutput] = deque()
 

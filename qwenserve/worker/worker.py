@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.distributed as dist
 
 from qwenserve.config.engine_config import EngineConfig
 from qwenserve.config.errors import ConfigError
@@ -21,36 +20,47 @@ logger = logging.getLogger(__name__)
 
 
 class Worker:
+    """Built in two steps, so that several workers can agree on one pool of KV blocks: load the model, then
+    `init_kv_cache` with the fewest blocks any of them fits (the engine's one scheduler hands out block ids
+    for all)."""
+
     def __init__(self, config: EngineConfig, spec: ModelSpec, tp: TensorParallel = TensorParallel(),
                  pp: PipelineParallel = PipelineParallel()):
+        self.config = config
         self.device = torch.device(config.load.device)
         if self.device.type == "cpu":
             keep_large_allocations_in_heap()
         self.model = spec.load_model(self.device, tp, pp)
-        self.kv_cache = self._allocate_kv_cache(config, spec)
-        self.num_kv_blocks = len(self.kv_cache.k[0])
-        self.model_runner = ModelRunner(self.model, self.kv_cache, self.device, config.record_logits)
-
-    def _allocate_kv_cache(self, config: EngineConfig, spec: ModelSpec) -> PagedKVCache:
-        """As many blocks as the memory budget holds for this worker's layers and kv heads; with several workers,
-        the fewest any of them holds (one scheduler hands out block ids for all)."""
         layers = self.model.model.own_layers
-        attn = layers[0].self_attn
-        num_layers, block_size = len(layers), config.cache.block_size
-        dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype) or spec.dtype
-        per_block = PagedKVCache.bytes_per_block(num_layers, block_size, attn.num_kv_heads, attn.head_dim, dtype)
-        num_blocks = config.cache.kv_cache_memory // per_block
+        self._kv_shape = (len(layers), config.cache.block_size, layers[0].self_attn.num_kv_heads,
+                          layers[0].self_attn.head_dim)
+        self._kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype) or spec.dtype
+        self.kv_cache: PagedKVCache | None = None
+        self.model_runner: ModelRunner | None = None
+
+    def kv_blocks_that_fit(self) -> int:
+        """As many blocks as the memory budget holds for this worker's layers and kv heads."""
+        per_block = PagedKVCache.bytes_per_block(*self._kv_shape, self._kv_dtype)
+        num_blocks = self.config.cache.kv_cache_memory // per_block
         if num_blocks < 1:
-            raise ConfigError(f"kv_cache_memory {config.cache.kv_cache_memory} bytes is less than one KV block "
-                              f"({per_block} bytes for {block_size} tokens)")
-        if dist.is_initialized():
-            fewest = torch.tensor([num_blocks])
-            dist.all_reduce(fewest, op=dist.ReduceOp.MIN)
-            num_blocks = int(fewest)
+            raise ConfigError(f"kv_cache_memory {self.config.cache.kv_cache_memory} bytes is less than one KV "
+                              f"block ({per_block} bytes for {self._kv_shape[1]} tokens)")
+        return num_blocks
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        num_layers, block_size, num_kv_heads, head_dim = self._kv_shape
+        per_block = PagedKVCache.bytes_per_block(*self._kv_shape, self._kv_dtype)
         logger.info("KV cache: %d blocks of %d tokens = %d tokens max, %.2f GiB (%s%s)", num_blocks, block_size,
-                    num_blocks * block_size, num_blocks * per_block / (1 << 30), str(dtype).removeprefix("torch."),
-                    " codes, per-token scales" if dtype != spec.dtype else "")
-        return PagedKVCache(num_layers, num_blocks, block_size, attn.num_kv_heads, attn.head_dim, dtype, self.device)
+                    num_blocks * block_size, num_blocks * per_block / (1 << 30),
+                    str(self._kv_dtype).removeprefix("torch."),
+                    " codes, per-token scales" if self._kv_dtype != self.model.dtype else "")
+        self.kv_cache = PagedKVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, self._kv_dtype,
+                                     self.device)
+        self.model_runner = ModelRunner(self.model, self.kv_cache, self.device, self.config.record_logits)
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return len(self.kv_cache.k[0])
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """The step's sampled tokens, or None on a pipeline stage that is not the last."""

@@ -10,7 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from qwenserve.engine.async_engine import AsyncLLMEngine
+from qwenserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from qwenserve.entrypoints.openai.metrics import ServerMetrics
 from qwenserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -66,6 +66,10 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: st
     @app.exception_handler(APIError)
     async def api_error(_, e: APIError):
         return e.response()
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_, e: EngineDeadError):  # e.g. a worker process died: this server cannot recover
+        return error_response(503, str(e), "server_error")
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_, e: RequestValidationError):

@@ -1,0 +1,278 @@
+"""The engine over worker processes (tensor and pipeline parallel, `mp` executor): the same greedy tokens as
+one process and as HF transformers; pipeline steps in flight; a dead worker fails requests instead of
+hanging; no worker outlives the engine, even one killed with SIGKILL."""
+import multiprocessing
+import os
+import queue
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from qwenserve import LLM, SamplingParams
+from qwenserve.config.errors import ConfigError
+from qwenserve.config.model_config import ModelConfig
+from qwenserve.executor.abstract import ExecutorDeadError
+from qwenserve.executor.shm_queue import ShmQueue
+from qwenserve.model.models.qwen2 import Qwen2ForCausalLM
+from qwenserve.model.parallel import PipelineParallel, balanced_partition
+
+from helpers import hf_config, save_gguf, save_hf_dir, tiny_hf_model
+
+PROMPTS = [list(range(3 + i, 14 + 3 * i)) for i in range(6)]  # 11 to 26 tokens
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+def _tokens(llm, prompts=PROMPTS, params=GREEDY):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _assert_hf_greedy(hf, prompts, outputs):
+    """Each output token is HF's argmax given the tokens before it (a random tiny model has near-ties, so one
+    within 1e-4 of the best counts: free-running greedy would then diverge on rounding alone)."""
+    for prompt, out in zip(prompts, outputs):
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + out])).logits[0, len(prompt) - 1:-1].float()
+        chosen = logits.gather(1, torch.tensor(out)[:, None])[:, 0]
+        assert (chosen >= logits.max(-1).values - 1e-4).all(), (prompt, out)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie has exited; only its parent's wait is missing
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def _gone(pids, timeout=15.0) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if not any(_alive(p) for p in pids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    hf = tiny_hf_model(seed=61, num_attention_heads=4, num_key_value_heads=2)
+    return hf, save_hf_dir(hf, str(tmp_path_factory.mktemp("dist")))
+
+
+@pytest.fixture(scope="module")
+def single_process_tokens(tiny):
+    hf, path = tiny
+    tokens = _tokens(LLM(path, dtype="float32"))
+    _assert_hf_greedy(hf, PROMPTS, tokens)
+    return tokens
+
+
+@pytest.mark.parametrize("tp,pp,extra", [
+    (2, 1, {}),
+    (1, 2, {}),
+    (2, 2, {}),
+    # chunked prefill and a step budget that splits the batch: more steps in flight, more interleavings
+    (1, 2, dict(max_num_batched_tokens=16)),
+])
+def test_greedy_tokens_equal_one_process(tiny, single_process_tokens, tp, pp, extra):
+    _, path = tiny
+    llm = LLM(path, dtype="float32", tensor_parallel_size=tp, pipeline_parallel_size=pp, **extra)
+    try:
+        assert llm.engine.executor.max_concurrent_batches == pp
+        assert _tokens(llm) == single_process_tokens
+        # a seeded sampled request draws the same tokens in every layout (the generator lives with the sampler)
+        seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=8)
+        assert _tokens(llm, PROMPTS[:2], seeded) == _tokens(LLM(path, dtype="float32"), PROMPTS[:2], seeded)
+    finally:
+        llm.engine.shutdown()
+    assert _gone([p.pid for p in llm.engine.executor._procs], timeout=5)
+
+
+@pytest.mark.parametrize("fmt", ["hf-tied", "gguf"])
+def test_pipeline_stages_load_only_their_part(tmp_path, fmt):
+    """A tied LM head on a last stage without the embedding loads its own copy; GGUF blocks stay blocks."""
+    hf = tiny_hf_model(seed=62, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=fmt == "hf-tied")
+    path = (save_hf_dir(hf, str(tmp_path / "m")) if fmt == "hf-tied"
+            else save_gguf(hf, str(tmp_path / "m.gguf"), "Q8_0"))
+    expected = _tokens(LLM(path, dtype="float32"), PROMPTS[:3])
+    llm = LLM(path, dtype="float32", pipeline_parallel_size=2)
+    try:
+        assert _tokens(llm, PROMPTS[:3]) == expected
+    finally:
+        llm.engine.shutdown()
+
+
+def test_stage_layer_ranges_partition_the_model():
+    config = ModelConfig.from_hf_dict(hf_config(num_hidden_layers=5).to_dict())
+    owned = []
+    for rank in range(2):
+        model = Qwen2ForCausalLM(config, 64, pp=PipelineParallel(rank, 2))
+        names = [n for n, _ in model.named_parameters()]
+        layers = {int(n.split(".")[2]) for n in names if n.startswith("model.layers.")}
+        assert layers == set(range(model.model.start_layer, model.model.end_layer))
+        assert any(n.startswith("model.embed_tokens") for n in names) == (rank == 0)
+        assert any(n.startswith(("lm_head", "model.norm")) for n in names) == (rank == 1)
+        owned.append(layers)
+    assert owned[0] | owned[1] == set(range(5)) and not owned[0] & owned[1]
+
+
+def test_layer_partition_balances_the_head():
+    assert balanced_partition(24, 2) == (12, 12)
+    assert balanced_partition(24, 2, 1.0, 9.0) == (17, 7)  # the 0.5B model's LM head weighs ~9 layers
+    assert balanced_partition(5, 2) == (3, 2)
+    with pytest.raises(ValueError, match="more than the model's 2 layers"):
+        balanced_partition(2, 3)
+    with pytest.raises(ValueError, match="does not give each"):
+        PipelineParallel(0, 2, layer_partition=(4, 0)).layer_range(4)
+
+
+def test_bad_parallel_settings_are_named(tiny, monkeypatch):
+    _, path = tiny
+    with pytest.raises(ConfigError, match="tensor_parallel_size must be a positive integer"):
+        LLM(path, tensor_parallel_size=0)
+    with pytest.raises(ConfigError, match="distributed_executor_backend 'slurm'"):
+        LLM(path, distributed_executor_backend="slurm")
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide num_attention_heads 4"):
+        LLM(path, tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="pipeline_parallel_size 9 is more than the model's 2 layers"):
+        LLM(path, pipeline_parallel_size=9)
+    monkeypatch.setenv("QWENSERVE_CPU_OMP_THREADS_BIND", "0-1")
+    with pytest.raises(ConfigError, match="gives 1 CPU sets for 2 ranks"):
+        LLM(path, tensor_parallel_size=2)
+    monkeypatch.setenv("QWENSERVE_CPU_OMP_THREADS_BIND", "0|x")
+    with pytest.raises(ConfigError, match="'x' is not a list of CPUs"):
+        LLM(path, tensor_parallel_size=2)
+
+
+def test_worker_start_failure_is_raised_in_the_engine(tiny, tmp_path):
+    """A checkpoint that breaks in the worker (a tensor of the wrong shape) raises the worker's error here."""
+    hf, path = tiny
+    bad = save_hf_dir(hf, str(tmp_path / "bad"))
+    shard = next(f for f in os.listdir(bad) if f.endswith(".safetensors"))
+    tensors = load_file(os.path.join(bad, shard))
+    tensors["model.norm.weight"] = tensors["model.norm.weight"][:-1].clone()
+    save_file(tensors, os.path.join(bad, shard), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="model.norm.weight"):
+        LLM(bad, dtype="float32", pipeline_parallel_size=2)
+
+
+def test_killed_worker_fails_requests_within_seconds(tiny):
+    _, path = tiny
+    llm = LLM(path, dtype="float32", tensor_parallel_size=2, max_num_seqs=2)
+    pids = [p.pid for p in llm.engine.executor._procs]
+    result = {}
+
+    def run():
+        try:
+            _tokens(llm, PROMPTS * 20, SamplingParams(max_tokens=200, ignore_eos=True))
+        except Exception as e:  # noqa: BLE001
+            result["error"] = e
+        result["at"] = time.time()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    time.sleep(1.0)  # under load
+    killed_at = time.time()
+    os.kill(pids[1], signal.SIGKILL)
+    thread.join(timeout=30)
+    assert not thread.is_alive(), "generate hung after a worker died"
+    assert isinstance(result.get("error"), ExecutorDeadError)
+    assert "worker rank 1" in str(result["error"]) and "-9" in str(result["error"])
+    assert result["at"] - killed_at < 5
+    assert _gone(pids, timeout=10)
+    with pytest.raises(ExecutorDeadError):  # and it stays dead, saying why
+        _tokens(llm, PROMPTS[:1])
+
+
+def test_no_worker_outlives_an_engine_killed_with_sigkill(tiny, tmp_path):
+    _, path = tiny
+    script = tmp_path / "engine.py"
+    # no __main__ guard, as many users write it: the workers must not rerun it
+    script.write_text(textwrap.dedent(f"""
+        import time
+        from qwenserve import LLM
+        llm = LLM({path!r}, dtype="float32", tensor_parallel_size=2)
+        print(" ".join(str(p.pid) for p in llm.engine.executor._procs), flush=True)
+        time.sleep(600)
+    """))
+    # stderr: its resource tracker reports the shared memory it cleaned up after the kill
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        assert _gone(pids, timeout=10), "a worker outlived its engine"
+    finally:
+        proc.kill()
+
+
+def test_shm_queue_carries_large_messages_to_every_reader():
+    ctx = multiprocessing.get_context("spawn")
+    q = ShmQueue(ctx, num_readers=2, num_slots=3, slot_bytes=64)
+    readers = [q.reader(0), q.reader(1)]
+    messages = [{"i": i, "blob": list(range(i * 40))} for i in range(6)]  # up to ~8 slots each
+    got = [[], []]
+
+    def read(r):
+        for _ in messages:
+            got[r].append(readers[r].get(timeout=10))
+
+    threads = [threading.Thread(target=read, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for m in messages:
+        q.put(m)  # blocks while a reader is a whole ring behind
+    for t in threads:
+        t.join(timeout=10)
+    assert got == [messages, messages]
+    with pytest.raises(queue.Empty):
+        readers[0].get(timeout=0.05)
+    q.close()
+
+
+def test_server_answers_5xx_and_turns_unhealthy_when_a_worker_dies(tiny):
+    import asyncio
+
+    import httpx
+
+    from qwenserve.config.engine_config import EngineConfig
+    from qwenserve.engine.async_engine import AsyncLLMEngine
+    from qwenserve.engine.llm_engine import LLMEngine
+    from qwenserve.entrypoints.openai.api_server import build_app
+
+    _, path = tiny
+    # one sequence at a time: the later requests are still waiting or running when the worker dies
+    engine = AsyncLLMEngine(LLMEngine(EngineConfig.from_kwargs(model=path, dtype="float32", tensor_parallel_size=2,
+                                                               max_num_seqs=1)))
+    app = build_app(engine, ["tiny"])
+    pids = [p.pid for p in engine.engine.executor._procs]
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as c:
+            assert (await c.get("/health")).status_code == 200
+            body = {"prompt": [5, 6, 7], "max_tokens": 250, "ignore_eos": True, "temperature": 0}
+            pending = asyncio.gather(*[c.post("/v1/completions", json=body) for _ in range(8)])
+            await asyncio.sleep(1.0)
+            os.kill(pids[0], signal.SIGKILL)
+            failed = (await asyncio.wait_for(pending, timeout=10))[-1]
+            later = await c.post("/v1/completions", json={**body, "max_tokens": 2})
+            return failed, later, await c.get("/health")
+    try:
+        failed, later, health = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert failed.status_code >= 500 and "worker rank 0" in failed.json()["error"]["message"]
+    assert later.status_code >= 500 and later.json()["error"]["message"]
+    assert health.status_code == 503
+    assert _gone(pids, timeout=10)
