@@ -91,3 +91,28 @@ def test_bad_quantization_settings_name_the_problem(tmp_path, mixed_gguf):
         LLM(hf_dir)
     with pytest.raises(ConfigError, match="quantization awq loads AWQ checkpoints, but .* is gguf-quantized"):
         LLM(mixed_gguf, quantization="awq")
+
+
+def test_row_parallel_split_inside_k_quant_blocks_requantizes_to_q8_0():
+    """tp = 2 halves the 0.5B model's 4864-wide Q6_K/Q4_K down_proj at column 2432, inside a 256-weight block:
+    that rank's part is re-quantized to Q8_0, which stays within Q8_0's rounding of the file's values."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from qwenserve.model.layers.quantization.gguf import _columns
+
+    q6k = GGMLQuantizationType.Q6_K
+    rows, cols = 4, 768
+    rng = np.random.default_rng(5)
+    blocks = rng.integers(0, 256, size=(rows * cols // 256, GGML_QUANT_SIZES[q6k][1]), dtype=np.uint8)
+    blocks[:, 208:210] = rng.uniform(0.01, 0.02, size=(len(blocks), 1)).astype(np.float16).view(np.uint8)
+    tensor = GGMLTensor.from_bytes(torch.from_numpy(blocks.reshape(rows, -1)), q6k, (rows, cols))
+    part = _columns(tensor, 384, 384)
+    assert part.ggml_type == GGMLQuantizationType.Q8_0 and part.shape == (rows, 384)
+    expected = tensor.dequantize()[:, 384:]
+    step = expected.reshape(rows, -1, 32).abs().amax(-1, keepdim=True) / 127  # each block's Q8_0 scale
+    error = (part.dequantize() - expected).reshape(rows, -1, 32).abs()
+    assert (error <= step * 0.51 + 1e-6).all()  # half a step, the fp16 scale's rounding aside
+    assert _columns(tensor, 0, 512).ggml_type == q6k  # a split on block boundaries keeps the file's blocks
+    with pytest.raises(ValueError, match="cannot split"):
+        _columns(tensor, 0, 100)  # not even a 32-weight boundary

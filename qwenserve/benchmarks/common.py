@@ -3,6 +3,7 @@ through the engine, and printing a result (a table, and with --json one JSON obj
 from __future__ import annotations
 
 import json
+import os
 import random
 import resource
 import time
@@ -34,7 +35,23 @@ def ordinary_vocab(tokenizer) -> int:
 
 
 def peak_rss_gb() -> float:
-    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, 2)
+    """Peak resident memory of this process plus that of each live child (the worker processes of tp / pp)."""
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for pid in _child_pids(os.getpid()):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                kib += next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+        except (OSError, StopIteration):
+            pass  # gone meanwhile
+    return round(kib / 1e6, 2)
+
+
+def _child_pids(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(c) for c in f.read().split()]
+    except OSError:  # not Linux
+        return []
 
 
 def hf_model_like(spec) -> torch.nn.Module:

@@ -136,6 +136,15 @@ def pack_q8_0(codes: torch.Tensor, d: torch.Tensor) -> GGMLTensor:
     return _blocks(rows, cols, Q.Q8_0, _fp16_bytes(d), qs)
 
 
+def quantize_q8_0(weight: torch.Tensor) -> GGMLTensor:
+    """Float [rows, cols] (cols a multiple of 32) -> Q8_0 blocks, rounding to nearest with d = max|w| / 127."""
+    rows, cols = weight.shape
+    blocks = weight.float().reshape(rows, cols // BLOCK, BLOCK)
+    d = (blocks.abs().amax(-1) / 127).half().float()  # the scale as the block stores it, so codes round to it
+    codes = torch.round(blocks / d.clamp_min(torch.finfo(torch.float32).tiny)[..., None]).clamp(-127, 127)
+    return pack_q8_0(codes.reshape(rows, cols), d)
+
+
 def pack_q4_0(codes: torch.Tensor, d: torch.Tensor) -> GGMLTensor:
     """codes 0..15 [rows, cols], d [rows, cols / 32]: weight = d * (code - 8)."""
     rows, cols = codes.shape

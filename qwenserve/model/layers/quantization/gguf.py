@@ -6,12 +6,17 @@ may have different types (a Q4_K_M file mixes Q5_0 q/k with Q8_0 v). How segment
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from qwenserve.model.layers.quantization.ggml_blocks import GGMLBlockLinearMethod
+from qwenserve.model.layers.quantization.ggml_blocks import BLOCK, GGMLBlockLinearMethod, quantize_q8_0
+from qwenserve.model.loader.ggml_tensor import GGMLTensor
+
+logger = logging.getLogger(__name__)
+_REPORTED_SPLITS: set = set()  # (type, shape) already logged: one line, not one per layer
 
 Q = GGMLQuantizationType
 # the block types our kernels run; a GGUF file's other quantized types are dequantized at load
@@ -28,7 +33,7 @@ class GGUFLinearMethod(GGMLBlockLinearMethod):
 
     def _load(self, layer: nn.Module, param: nn.Parameter, loaded, shard_id=None) -> None:
         offset, size, start = layer.output_shard(shard_id)
-        segment = loaded.narrow(0, start, size).narrow(1, *layer.input_shard())
+        segment = _columns(loaded.narrow(0, start, size), *layer.input_shard())
         if tuple(segment.shape) != (size, layer.input_size):
             raise ValueError(f"{type(layer).__name__}" + ("" if shard_id is None else f" shard {shard_id}") +
                              f": checkpoint tensor has shape {tuple(loaded.shape)}, the model expects rows "
@@ -36,3 +41,19 @@ class GGUFLinearMethod(GGMLBlockLinearMethod):
         if isinstance(segment, torch.Tensor):  # a float tensor in the file (F16, F32)
             segment = segment.to(layer.weight_dtype).contiguous()
         layer.segments.append((offset, segment))
+
+
+def _columns(rows, start: int, length: int):
+    """This rank's input columns. A row-parallel split that falls inside the tensor's blocks (a k-quant's 256
+    weights: the 0.5B model's 4864-wide down_proj halves at 2432) re-quantizes this rank's part as Q8_0, with
+    32-weight blocks (8.5 bits a weight, near-lossless on top of the file's own rounding)."""
+    try:
+        return rows.narrow(1, start, length)
+    except ValueError:
+        if not isinstance(rows, GGMLTensor) or start % BLOCK or length % BLOCK:
+            raise
+    if (rows.ggml_type, rows.shape) not in _REPORTED_SPLITS:
+        _REPORTED_SPLITS.add((rows.ggml_type, rows.shape))
+        logger.info("%s tensors [%d x %d] split at column %d, inside their blocks: this rank's part is re-quantized "
+                    "to Q8_0", rows.ggml_type.name, *rows.shape, start)
+    return quantize_q8_0(rows.dequantize().narrow(1, start, length))
