@@ -93,3 +93,10 @@ def test_bench_kernels_times_every_weight_shape(ops, tmp_path, capsys):
         for variant in ("ours", "dense", "fp32", "int8pack"):
             figures = entry[variant]
             assert figures["ms"] > 0 and figures["GB/s"] > 0 and figures["GFLOP/s"] > 0, (entry, variant)
+
+
+def test_bench_allreduce_times_both_paths(capsys):
+    assert main(["bench", "allreduce", "--iters", "2", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["world_size"] == 2 and len(result["sizes"]) == 8
+    assert all(row["gloo_us"] > 0 and row["shm_us"] > 0 for row in result["sizes"])

@@ -5,6 +5,7 @@ import multiprocessing
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -276,3 +277,47 @@ def test_server_answers_5xx_and_turns_unhealthy_when_a_worker_dies(tiny):
     assert later.status_code >= 500 and later.json()["error"]["message"]
     assert health.status_code == 503
     assert _gone(pids, timeout=10)
+
+
+def _shm_rank(rank, world, port, out):
+    from qwenserve.model.parallel import init_model_parallel
+    tp, _ = init_model_parallel(rank, world, 1, f"tcp://127.0.0.1:{port}", "gloo", shm_name=f"qwenserve-test-{port}")
+    assert tp.shm is not None
+    results = []
+    for dtype, n in [(torch.float32, 5), (torch.bfloat16, 300_001)]:  # the second spans several chunks
+        x = torch.Generator().manual_seed(rank)
+        x = torch.randn(n, generator=x).to(dtype)
+        results.append(tp.all_reduce(x.clone()).float().numpy())
+        strided = torch.randn(6, 8, generator=torch.Generator().manual_seed(10 + rank)).to(dtype)[:, ::2]
+        results.append(tp.all_reduce(strided).float().numpy())  # not contiguous: reduced in place all the same
+    out.put((rank, results))
+
+
+def test_shm_all_reduce_sums_in_rank_order_on_every_rank():
+    world = 3
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=_shm_rank, args=(r, world, port, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    i = 0
+    for dtype, n in [(torch.float32, 5), (torch.bfloat16, 300_001)]:
+        parts = [torch.randn(n, generator=torch.Generator().manual_seed(r)).to(dtype) for r in range(world)]
+        expected = parts[0].clone()
+        for part in parts[1:]:
+            expected.add_(part)
+        strided = [torch.randn(6, 8, generator=torch.Generator().manual_seed(10 + r)).to(dtype)[:, ::2]
+                   for r in range(world)]
+        expected_strided = strided[0] + strided[1] + strided[2]
+        for rank in range(world):  # the same bits everywhere: ranks sample from these
+            assert torch.equal(torch.from_numpy(got[rank][i]), expected.float())
+            assert torch.equal(torch.from_numpy(got[rank][i + 1]), expected_strided.float())
+        i += 2
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"qwenserve-test-{port}")]

@@ -58,7 +58,9 @@ class LoadConfig:
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = setting(16, "tokens per KV block (default: %(default)s)", type=int)
-    kv_cache_memory: int | str = setting(2 * GiB, "KV cache size, e.g. 2GiB or bytes (default: 2GiB)", type=str)
+    kv_cache_memory: int | str = setting(2 * GiB, "KV cache memory of each worker process, e.g. 2GiB or bytes; a "
+                                                   "tensor-parallel rank fills it with its share of the kv heads "
+                                                   "(as vLLM gives each GPU its own) (default: 2GiB)", type=str)
     enable_prefix_caching: bool = setting(True, "reuse KV blocks of repeated prompt prefixes (default: on)")
     kv_cache_dtype: str = setting("auto", "KV cache storage: auto (the model's dtype), int8, fp8_e4m3 or fp8_e5m2 "
                                           "(one byte a value plus a scale per token and head: about twice the "

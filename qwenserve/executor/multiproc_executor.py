@@ -213,8 +213,10 @@ def run_worker(rank: int, config: EngineConfig, steps: ShmQueue, results: ShmQue
         if device.type == "cuda":
             torch.cuda.set_device(rank % torch.cuda.device_count())
             config = _with_device(config, f"cuda:{torch.cuda.current_device()}")
+        # every rank is on this host: tensor ranks may all-reduce through shared memory
         tp, pp = init_model_parallel(rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
-                                     init_method, "nccl" if device.type == "cuda" else "gloo")
+                                     init_method, "nccl" if device.type == "cuda" else "gloo",
+                                     shm_name=f"qwenserve-allreduce-{init_method.rsplit(':', 1)[1]}")
         load = config.load
         worker = Worker(config, ModelSpec.resolve(load.model, load.dtype, load.max_model_len, load.quantization),
                         tp, pp)

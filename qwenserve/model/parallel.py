@@ -8,15 +8,20 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from qwenserve.model.shm_all_reduce import ShmAllReduce, shm_all_reduce_supported
+
 
 @dataclass(frozen=True)
 class TensorParallel:
     rank: int = 0
     size: int = 1
     group: object = None  # a torch.distributed process group when size > 1
+    shm: ShmAllReduce | None = None  # the same ranks through shared memory (one host, CPU)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
+            if self.shm is not None and x.device.type == "cpu":
+                return self.shm.all_reduce(x)
             dist.all_reduce(x, group=self.group)
         return x
 
@@ -130,10 +135,11 @@ def layer_partition_from_env() -> tuple[int, ...] | None:
         raise ValueError(f"QWENSERVE_PP_LAYER_PARTITION={text!r} is not a comma-separated list of layer counts")
 
 
-def init_model_parallel(rank: int, tp_size: int, pp_size: int, init_method: str,
-                        backend: str) -> tuple[TensorParallel, PipelineParallel]:
+def init_model_parallel(rank: int, tp_size: int, pp_size: int, init_method: str, backend: str,
+                        shm_name: str | None = None) -> tuple[TensorParallel, PipelineParallel]:
     """Join the world of tp_size * pp_size processes and build its groups. Rank r is tensor rank r % tp_size
-    of stage r // tp_size (vLLM's layout: the ranks of one stage are neighbours)."""
+    of stage r // tp_size (vLLM's layout: the ranks of one stage are neighbours). shm_name: all ranks share
+    this host, so a stage's tensor ranks all-reduce through shared memory of that name (on the CPU)."""
     world = tp_size * pp_size
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
     tp_group = pp_group = None
@@ -148,5 +154,20 @@ def init_model_parallel(rank: int, tp_size: int, pp_size: int, init_method: str,
         group = dist.new_group(ranks)
         if rank in ranks:
             pp_group = group
-    return (TensorParallel(rank % tp_size, tp_size, tp_group),
+    shm = None
+    if shm_name and backend == "gloo" and tp_size > 1 and shm_all_reduce_supported():
+        shm = _attach_shm_all_reduce(rank % tp_size, tp_size, f"{shm_name}-{rank // tp_size}", tp_group)
+    return (TensorParallel(rank % tp_size, tp_size, tp_group, shm),
             PipelineParallel(rank // tp_size, pp_size, pp_group, layer_partition_from_env()))
+
+
+def _attach_shm_all_reduce(tp_rank: int, tp_size: int, name: str, group) -> ShmAllReduce:
+    """Tensor rank 0 creates the segment, the others attach, then its name is removed (see ShmAllReduce)."""
+    shm = ShmAllReduce(tp_rank, tp_size, name, create=True) if tp_rank == 0 else None
+    dist.barrier(group=group)
+    if shm is None:
+        shm = ShmAllReduce(tp_rank, tp_size, name, create=False)
+    dist.barrier(group=group)
+    if tp_rank == 0:
+        shm.unlink()
+    return shm

@@ -1,4 +1,5 @@
-"""`qwenserve bench ...`: measurements, never tests (throughput, latency, prefix, ppl, kernels, load, serve)."""
+"""`qwenserve bench ...`: measurements, never tests (throughput, latency, prefix, ppl, kernels, allreduce, load,
+serve)."""
 from __future__ import annotations
 
 import argparse
@@ -55,6 +56,13 @@ def register(sub) -> None:
                       help="batch rows M to time (default: 1 8 32 512)")
     kern.add_argument("--json", action="store_true")
 
+    ar = bench_sub.add_parser("allreduce", help="one all-reduce between worker processes on this host, per message "
+                                               "size (what tensor parallelism pays twice per layer per step)")
+    ar.add_argument("--world-size", type=positive_int, default=2)
+    ar.add_argument("--dtype", choices=["bfloat16", "float32", "float16"], default="bfloat16")
+    ar.add_argument("--iters", type=positive_int, default=50)
+    ar.add_argument("--json", action="store_true")
+
     srv = bench_sub.add_parser("serve", help="drive a running OpenAI-compatible server with streaming requests")
     srv.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (without /v1)")
     srv.add_argument("--num-prompts", type=positive_int, default=64)
@@ -89,6 +97,11 @@ def run(args: argparse.Namespace) -> int:
     elif args.bench_command == "kernels":
         from qwenserve.benchmarks.kernels import bench_kernels, format_table
         result = bench_kernels(engine_config_from_args(args), tuple(args.rows))
+        print(json.dumps(result) if args.json else format_table(result))
+        return 0
+    elif args.bench_command == "allreduce":
+        from qwenserve.benchmarks.allreduce import bench_allreduce, format_table
+        result = bench_allreduce(args.world_size, args.dtype, args.iters)
         print(json.dumps(result) if args.json else format_table(result))
         return 0
     elif args.bench_command == "ppl":
