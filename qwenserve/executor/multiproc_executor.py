@@ -158,14 +158,16 @@ def _check_split(spec: ModelSpec, tp_size: int, pp_size: int) -> None:
 
 
 def _stop_workers(procs, conns, steps: ShmQueue, results: ShmQueue) -> None:
-    """Ask every worker to leave, kill those that do not, then free the queues."""
-    if all(p.is_alive() for p in procs):
+    """Ask every worker to leave, kill those that do not, then free the queues. With one already dead the
+    others are killed at once: they may be waiting on it inside a collective, and would never leave."""
+    graceful = all(p.is_alive() for p in procs)
+    if graceful:
         try:
             steps.put(None)  # every reader takes it; a live worker is never a whole ring behind
         except Exception:  # noqa: BLE001 (shutting down: the kill below still runs)
             pass
     for proc in procs:
-        proc.join(timeout=STOP_SECONDS if proc.is_alive() else 0)
+        proc.join(timeout=STOP_SECONDS if graceful else 0)
         if proc.is_alive():
             proc.kill()
             proc.join(timeout=STOP_SECONDS)
