@@ -5,7 +5,6 @@ import multiprocessing
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -22,7 +21,7 @@ from qwenserve.config.model_config import ModelConfig
 from qwenserve.executor.abstract import ExecutorDeadError
 from qwenserve.executor.shm_queue import ShmQueue
 from qwenserve.model.models.qwen2 import Qwen2ForCausalLM
-from qwenserve.model.parallel import PipelineParallel, balanced_partition
+from qwenserve.model.parallel import PipelineParallel, balanced_partition, free_port
 
 from helpers import hf_config, save_gguf, save_hf_dir, tiny_hf_model
 
@@ -297,9 +296,7 @@ def test_shm_all_reduce_sums_in_rank_order_on_every_rank():
     world = 3
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = [ctx.Process(target=_shm_rank, args=(r, world, port, out)) for r in range(world)]
     for p in procs:
         p.start()

@@ -1,23 +1,18 @@
 """Tensor-parallel layers at tp = 2 and 4 (gloo, one process per rank) give tp = 1's logits.
 
-The engine does not launch parallel workers yet; this checks the sharded weight loaders, the all-reduce in
-the row-parallel layers, kv-head replication and the vocab-parallel embedding and LM head."""
-import socket
-
+The layers alone, outside the engine (whose worker processes test_distributed.py runs): the sharded weight
+loaders, the all-reduce in the row-parallel layers, kv-head replication and the vocab-parallel embedding and
+LM head."""
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from qwenserve.model.parallel import free_port
+
 from helpers import save_gguf, save_hf_dir, tiny_hf_model
 
 IDS = list(range(3, 40))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_logits(rank: int, world: int, port: int, path: str, quantization: str, out):
@@ -56,7 +51,7 @@ def test_tensor_parallel_logits_equal_single_process(ops, tmp_path, tp, shape, q
     expected = full_logits(LoadedModel(path, dtype="float32", quantization=quantization).model, IDS)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank_logits, args=(r, tp, port, path, quantization, out)) for r in range(tp)]
     for p in procs:
         p.start()

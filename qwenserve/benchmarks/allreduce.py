@@ -6,7 +6,6 @@ per-step cost of tp follows (the README works it out)."""
 from __future__ import annotations
 
 import multiprocessing
-import socket
 import statistics
 import time
 
@@ -14,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from qwenserve.config.model_config import resolve_dtype
-from qwenserve.model.parallel import init_model_parallel
+from qwenserve.model.parallel import free_port, init_model_parallel
 from qwenserve.worker.cpu_tuning import bind_to_cpus, cpu_sets_for_ranks
 
 SIZES = [1 << k for k in range(10, 25, 2)]  # 1 KiB .. 16 MiB
@@ -24,9 +23,7 @@ def bench_allreduce(world_size: int = 2, dtype: str = "bfloat16", iters: int = 5
     torch_dtype = resolve_dtype(dtype, None)
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(rank, world_size, port, cpus, torch_dtype, iters, results))
              for rank, cpus in enumerate(cpu_sets_for_ranks(world_size))]
     for p in procs:

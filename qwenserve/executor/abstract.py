@@ -26,12 +26,5 @@ class Executor(ABC):
     def collect(self) -> ModelRunnerOutput:
         """The output of the oldest submitted step, waiting for it; ExecutorDeadError if a worker is gone."""
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        self.submit(scheduler_output)
-        return self.collect()
-
-    def check_health(self) -> None:
-        """Raise ExecutorDeadError if a worker is gone."""
-
     def shutdown(self) -> None:
         """Release the workers (a no-op in process)."""

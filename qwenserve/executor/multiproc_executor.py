@@ -18,7 +18,6 @@ import logging
 import multiprocessing
 import os
 import queue
-import socket
 import sys
 import threading
 import traceback
@@ -31,7 +30,13 @@ from qwenserve.core.step import ModelRunnerOutput, SchedulerOutput
 from qwenserve.executor.abstract import Executor, ExecutorDeadError
 from qwenserve.executor.shm_queue import ShmQueue
 from qwenserve.model.loader.model_loader import ModelSpec
-from qwenserve.model.parallel import PipelineParallel, check_head_split, init_model_parallel, layer_partition_from_env
+from qwenserve.model.parallel import (
+    PipelineParallel,
+    check_head_split,
+    free_port,
+    init_model_parallel,
+    layer_partition_from_env,
+)
 from qwenserve.worker.cpu_tuning import bind_to_cpus, cpu_sets_for_ranks
 from qwenserve.worker.worker import Worker
 
@@ -56,7 +61,7 @@ class MultiprocExecutor(Executor):
         self._steps = ShmQueue(ctx, num_readers=world)
         self._results = ShmQueue(ctx, num_readers=1)
         self._results_reader = self._results.reader(0)
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        init_method = f"tcp://127.0.0.1:{free_port()}"
         self._dead: str | None = None
         self._procs, self._conns = [], []
         for rank, cpus in enumerate(cpu_sets_for_ranks(world)):
@@ -191,12 +196,6 @@ def _main_module_hidden():
     finally:
         main.__dict__.pop("__spec__", None)
         main.__dict__.update(saved)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- the worker process -----------------------------------------------------------------------------------

@@ -3,7 +3,8 @@ explicitly. Also the one place that joins a process to the others (`init_model_p
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import socket
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -65,6 +66,8 @@ class PipelineParallel:
     size: int = 1
     group: object = None  # a torch.distributed process group of this tp rank across the stages
     layer_partition: tuple[int, ...] | None = None  # layers per stage; None: balanced (see layer_range)
+    # the send still in progress: (its work handle, the message it must keep alive)
+    _in_progress: list = field(default_factory=list, compare=False, repr=False)
 
     @property
     def is_first(self) -> bool:
@@ -87,22 +90,16 @@ class PipelineParallel:
     def send(self, hidden: torch.Tensor, residual: torch.Tensor) -> None:
         """Pass this stage's output on without waiting for the next stage to take it (it may still be busy
         with the previous batch); the previous message is waited for first, so at most one is queued."""
-        self._wait_sent()
+        for work, _ in self._in_progress:
+            work.wait()
         message = torch.stack((hidden, residual))
-        work = dist.isend(message, group=self.group, group_dst=self.rank + 1)
-        object.__setattr__(self, "_pending", (work, message))
+        self._in_progress[:] = [(dist.isend(message, group=self.group, group_dst=self.rank + 1), message)]
 
     def recv(self, num_tokens: int, hidden_size: int, dtype: torch.dtype,
              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         message = torch.empty(2, num_tokens, hidden_size, dtype=dtype, device=device)
         dist.recv(message, group=self.group, group_src=self.rank - 1)
         return message[0], message[1]
-
-    def _wait_sent(self) -> None:
-        pending = getattr(self, "_pending", None)
-        if pending is not None:
-            pending[0].wait()
-            object.__setattr__(self, "_pending", None)
 
 
 def balanced_partition(num_layers: int, num_stages: int, layer_cost: float = 1.0,
@@ -133,6 +130,13 @@ def layer_partition_from_env() -> tuple[int, ...] | None:
         return tuple(int(part) for part in text.split(","))
     except ValueError:
         raise ValueError(f"QWENSERVE_PP_LAYER_PARTITION={text!r} is not a comma-separated list of layer counts")
+
+
+def free_port() -> int:
+    """A TCP port free on this host now, for a process group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def init_model_parallel(rank: int, tp_size: int, pp_size: int, init_method: str, backend: str,

@@ -109,10 +109,8 @@ class Qwen2Model(nn.Module):
             Qwen2DecoderLayer(config, i - self.start_layer, max_position, tp, linear_method)
             if self.start_layer <= i < self.end_layer else MissingLayer() for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if pp.is_last else None
-
-    @property
-    def own_layers(self) -> list[Qwen2DecoderLayer]:
-        return list(self.layers[self.start_layer:self.end_layer])
+        # a plain list, made once: slicing the ModuleList in forward would build a new ModuleList every step
+        self.own_layers: list[Qwen2DecoderLayer] = list(self.layers)[self.start_layer:self.end_layer]
 
     def forward(self, input_ids, positions, attn_metadata, intermediate=None):
         if self.pp.is_first:
