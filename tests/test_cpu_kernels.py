@@ -2,6 +2,9 @@
 path rounds after every op, within one rounding in float16 and float32; and the engine gives the same greedy
 tokens (equal to HF's) with and without them."""
 
+import os
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -167,3 +170,16 @@ def test_argmax_rows_takes_the_first_maximum(ops, dtype):
     # rows shorter than one vector take the portable path
     short = logits[:, :11].contiguous()
     assert torch.equal(ops.argmax_rows(short), short.argmax(dim=-1))
+
+
+def test_a_lock_left_by_a_killed_build_is_removed(tmp_path, monkeypatch):
+    """torch waits forever on its build lock; one older than any build is removed, a fresh one is left alone."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    for name, age in (("stale", 3600), ("fresh", 5)):
+        (tmp_path / name).mkdir()
+        lock = tmp_path / name / "lock"
+        lock.touch()
+        os.utime(lock, (time.time() - age, time.time() - age))
+        kernels._remove_stale_lock(name)
+    assert not (tmp_path / "stale" / "lock").exists()
+    assert (tmp_path / "fresh" / "lock").exists()

@@ -14,6 +14,7 @@ import logging
 import os
 import platform
 import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -56,12 +57,30 @@ def _source_tag() -> str:
     return h.hexdigest()[:8]
 
 
+# a build takes under a minute; a lock this old was left by a build that was killed (torch would wait forever)
+_STALE_LOCK_SECONDS = 600
+
+
+def _remove_stale_lock(name: str) -> None:
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+        lock = Path(_get_build_directory(name, False)) / "lock"
+        age = time.time() - lock.stat().st_mtime
+    except (ImportError, OSError):  # no lock (or a torch without this helper): nothing to do
+        return
+    if age > _STALE_LOCK_SECONDS:
+        logger.warning("removing %s, left %.0f s ago by a kernel build that did not finish", lock, age)
+        lock.unlink(missing_ok=True)
+
+
 def _build():
     from torch.utils.cpp_extension import load
 
     logger.info("loading the CPU kernels (compiled on first use, about 20 s)")
     sources = [str(p) for p in _source_files() if p.suffix == ".cpp"]
-    load(name=f"qwenserve_cpu_ops_{_cpu_tag()}_{_source_tag()}", sources=sources,
+    name = f"qwenserve_cpu_ops_{_cpu_tag()}_{_source_tag()}"
+    _remove_stale_lock(name)
+    load(name=name, sources=sources,
          extra_include_paths=[str(_SOURCE_DIR)], extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
          is_python_module=False, verbose=False)
     return torch.ops.qwenserve
