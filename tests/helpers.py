@@ -1,11 +1,16 @@
 """Tiny random Qwen2 checkpoints made with HF transformers: HF directories and GGUF files."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import time
 
 import numpy as np
 import torch
+
+from qwenserve import SamplingParams
+from qwenserve.model.parallel import free_port
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -166,3 +171,181 @@ def record_preemptions(llm) -> list[str]:
         original(seq)
     llm.engine.scheduler._preempt = spy
     return preempted
+
+
+# ---- engines over several processes -----------------------------------------------------------------------
+
+PROMPTS = [list(range(3 + i, 14 + 3 * i)) for i in range(6)]  # 11 to 26 tokens
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+def greedy_tokens(llm, prompts=PROMPTS, params=GREEDY) -> list[list[int]]:
+    """The token ids llm generates for each prompt (token-id prompts; greedy unless params says otherwise)."""
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def assert_hf_greedy(hf, prompts, outputs):
+    """Each output token is HF's argmax given the tokens before it (a random tiny model has near-ties, so one
+    within 1e-4 of the best counts: free-running greedy would then diverge on rounding alone)."""
+    for prompt, out in zip(prompts, outputs):
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + out])).logits[0, len(prompt) - 1:-1].float()
+        chosen = logits.gather(1, torch.tensor(out)[:, None])[:, 0]
+        assert (chosen >= logits.max(-1).values - 1e-4).all(), (prompt, out)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie has exited; only its parent's wait is missing
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def generate_until_killed(llm, pid: int, after_s: float = 1.0, timeout: float = 30.0) -> tuple[Exception, float]:
+    """Run a long generate on llm in a thread, SIGKILL pid once it is under load (after_s), and wait for generate
+    to end: (the exception it raised, seconds from the kill until it returned). Fails if it hangs or succeeds."""
+    import signal
+    import threading
+    result = {}
+
+    def run():
+        try:
+            greedy_tokens(llm, PROMPTS * 20, SamplingParams(max_tokens=200, ignore_eos=True))
+        except Exception as e:  # noqa: BLE001
+            result["error"] = e
+        result["at"] = time.time()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    time.sleep(after_s)
+    killed_at = time.time()
+    os.kill(pid, signal.SIGKILL)
+    thread.join(timeout=timeout)
+    assert not thread.is_alive(), "generate hung after a worker died"
+    assert "error" in result, "generate finished although a worker was killed"
+    return result["error"], result["at"] - killed_at
+
+
+def pids_gone(pids, timeout=15.0) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if not any(pid_alive(p) for p in pids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+# ---- live servers ------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def live_server(app, server_class=None, **config):
+    """`app` served by uvicorn on a free loopback port, in a thread; yields its base URL. Extra uvicorn.Config
+    arguments pass through (ssl_keyfile / ssl_certfile make it https). uvicorn leaves logging alone
+    (log_config=None), so its errors reach pytest's caplog like every other record. server_class(config) makes
+    the server instead of uvicorn.Server."""
+    import threading
+
+    import uvicorn
+    port = free_port()
+    config = {"log_level": "warning", "log_config": None} | config
+    srv = (server_class or uvicorn.Server)(uvicorn.Config(app, host="127.0.0.1", port=port, **config))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not srv.started and time.time() < deadline:
+        time.sleep(0.05)
+    assert srv.started, "the test server did not start"
+    try:
+        yield f"{'https' if config.get('ssl_certfile') else 'http'}://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)
+
+
+def metric_value(metrics_text: str, name: str) -> float:
+    """A Prometheus series' value in /metrics text (summed over its labels)."""
+    values = [float(line.rsplit(" ", 1)[1]) for line in metrics_text.splitlines()
+              if line.startswith(name + " ") or line.startswith(name + "{")]
+    assert values, f"{name} not in /metrics"
+    return sum(values)
+
+
+def wait_idle_and_clean(engine, timeout: float = 10.0) -> None:
+    """Wait until an AsyncLLMEngine has no live request, then check that every KV block is free (or cached)."""
+    import asyncio
+    deadline = time.time() + timeout
+    while True:
+        busy, free, total = asyncio.run(engine.call(
+            lambda e: (e.has_unfinished_requests(), e.kv.num_free_blocks, e.kv.num_blocks)))
+        if not busy or time.time() > deadline:
+            break
+        time.sleep(0.05)
+    assert not busy and free == total
+
+
+def self_signed_cert(directory) -> tuple[str, str]:
+    """(certificate, private key) PEM files for 127.0.0.1 and localhost, valid for a day (openssl)."""
+    import subprocess
+    cert, key = os.path.join(directory, "cert.pem"), os.path.join(directory, "key.pem")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                    "-keyout", key, "-out", cert, "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"], check=True, capture_output=True)
+    return cert, key
+
+
+@contextlib.contextmanager
+def serve_process(args: list[str], log_path, env: dict | None = None, verify=True, startup_timeout: float = 60.0):
+    """`qwenserve serve ARGS --port <free>` as users start it (stdout and stderr to log_path); yields (the
+    process, its base URL, https with --ssl-certfile) once /health answers 200. On leaving, a process still
+    running gets SIGINT (SIGKILL if it has not exited within 20 s)."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import httpx
+    port = free_port()
+    base = f"{'https' if '--ssl-certfile' in args else 'http'}://127.0.0.1:{port}"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "qwenserve.entrypoints.cli.main", "serve", *args,
+                                 "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
+                                env=env, cwd=Path(__file__).parent.parent)
+    try:
+        deadline = time.time() + startup_timeout
+        while True:
+            assert proc.poll() is None, Path(log_path).read_text()
+            try:
+                if httpx.get(base + "/health", verify=verify).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.time() < deadline, Path(log_path).read_text()
+            time.sleep(0.2)
+        yield proc, base
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def descendant_pids(pid: int) -> list[int]:
+    """Every live process under `pid` (children, theirs, ...), from /proc (Linux)."""
+    import glob
+    found, todo = [], [pid]
+    while todo:
+        for path in glob.glob(f"/proc/{todo.pop()}/task/*/children"):
+            try:
+                with open(path) as f:
+                    children = [int(c) for c in f.read().split()]
+            except OSError:  # gone meanwhile
+                continue
+            found += children
+            todo += children
+    return found

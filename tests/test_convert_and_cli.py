@@ -87,7 +87,7 @@ def test_generate_chat_and_sampling_flags_run(tmp_path, capsys):
     (["generate", "--model", "{src}", "--prompt", "x", "--temperature", "-1"], "temperature must be >= 0"),
     (["generate", "--model", "{src}", "--prompt", "x", "--max-model-len", "99999"], "max_model_len 99999"),
     (["generate", "--model", "{src}", "--prompt", "x", "--max-model-len", "16", "--max-tokens", "20"],
-     "prompt too long"),
+     "maximum context length is 16 tokens"),
     (["generate", "--model", "{src}", "--prompt", "x", "--kv-cache-memory", "lots"], "is not a size"),
     (["generate", "--model", "{src}", "--prompt", "", "--max-tokens", "2"], "the prompt is empty"),
 ])

@@ -9,7 +9,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 
 import pytest
 import torch
@@ -23,58 +22,17 @@ from qwenserve.executor.shm_queue import ShmQueue
 from qwenserve.model.models.qwen2 import Qwen2ForCausalLM
 from qwenserve.model.parallel import PipelineParallel, balanced_partition, free_port
 
-from helpers import hf_config, save_gguf, save_hf_dir, tiny_hf_model
-
-PROMPTS = [list(range(3 + i, 14 + 3 * i)) for i in range(6)]  # 11 to 26 tokens
-GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-
-
-def _tokens(llm, prompts=PROMPTS, params=GREEDY):
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
-
-
-def _assert_hf_greedy(hf, prompts, outputs):
-    """Each output token is HF's argmax given the tokens before it (a random tiny model has near-ties, so one
-    within 1e-4 of the best counts: free-running greedy would then diverge on rounding alone)."""
-    for prompt, out in zip(prompts, outputs):
-        with torch.no_grad():
-            logits = hf(torch.tensor([prompt + out])).logits[0, len(prompt) - 1:-1].float()
-        chosen = logits.gather(1, torch.tensor(out)[:, None])[:, 0]
-        assert (chosen >= logits.max(-1).values - 1e-4).all(), (prompt, out)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie has exited; only its parent's wait is missing
-        return f.read().split(")")[-1].split()[0] != "Z"
-
-
-def _gone(pids, timeout=15.0) -> bool:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if not any(_alive(p) for p in pids):
-            return True
-        time.sleep(0.1)
-    return False
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    hf = tiny_hf_model(seed=61, num_attention_heads=4, num_key_value_heads=2)
-    return hf, save_hf_dir(hf, str(tmp_path_factory.mktemp("dist")))
-
-
-@pytest.fixture(scope="module")
-def single_process_tokens(tiny):
-    hf, path = tiny
-    tokens = _tokens(LLM(path, dtype="float32"))
-    _assert_hf_greedy(hf, PROMPTS, tokens)
-    return tokens
-
+from helpers import (
+    generate_until_killed,
+    PROMPTS,
+    greedy_tokens,
+    hf_config,
+    pid_alive,
+    pids_gone,
+    save_gguf,
+    save_hf_dir,
+    tiny_hf_model,
+)
 
 @pytest.mark.parametrize("tp,pp,extra", [
     (2, 1, {}),
@@ -83,18 +41,18 @@ def single_process_tokens(tiny):
     # chunked prefill and a step budget that splits the batch: more steps in flight, more interleavings
     (1, 2, dict(max_num_batched_tokens=16)),
 ])
-def test_greedy_tokens_equal_one_process(tiny, single_process_tokens, tp, pp, extra):
-    _, path = tiny
+def test_greedy_tokens_equal_one_process(parallel_tiny, single_process_tokens, tp, pp, extra):
+    _, path = parallel_tiny
     llm = LLM(path, dtype="float32", tensor_parallel_size=tp, pipeline_parallel_size=pp, **extra)
     try:
         assert llm.engine.executor.max_concurrent_batches == pp
-        assert _tokens(llm) == single_process_tokens
+        assert greedy_tokens(llm) == single_process_tokens
         # a seeded sampled request draws the same tokens in every layout (the generator lives with the sampler)
         seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=8)
-        assert _tokens(llm, PROMPTS[:2], seeded) == _tokens(LLM(path, dtype="float32"), PROMPTS[:2], seeded)
+        assert greedy_tokens(llm, PROMPTS[:2], seeded) == greedy_tokens(LLM(path, dtype="float32"), PROMPTS[:2], seeded)
     finally:
         llm.engine.shutdown()
-    assert _gone([p.pid for p in llm.engine.executor._procs], timeout=5)
+    assert pids_gone([p.pid for p in llm.engine.executor._procs], timeout=5)
 
 
 @pytest.mark.parametrize("fmt", ["hf-tied", "gguf"])
@@ -103,10 +61,10 @@ def test_pipeline_stages_load_only_their_part(tmp_path, fmt):
     hf = tiny_hf_model(seed=62, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=fmt == "hf-tied")
     path = (save_hf_dir(hf, str(tmp_path / "m")) if fmt == "hf-tied"
             else save_gguf(hf, str(tmp_path / "m.gguf"), "Q8_0"))
-    expected = _tokens(LLM(path, dtype="float32"), PROMPTS[:3])
+    expected = greedy_tokens(LLM(path, dtype="float32"), PROMPTS[:3])
     llm = LLM(path, dtype="float32", pipeline_parallel_size=2)
     try:
-        assert _tokens(llm, PROMPTS[:3]) == expected
+        assert greedy_tokens(llm, PROMPTS[:3]) == expected
     finally:
         llm.engine.shutdown()
 
@@ -135,8 +93,8 @@ def test_layer_partition_balances_the_head():
         PipelineParallel(0, 2, layer_partition=(4, 0)).layer_range(4)
 
 
-def test_bad_parallel_settings_are_named(tiny, monkeypatch):
-    _, path = tiny
+def test_bad_parallel_settings_are_named(parallel_tiny, monkeypatch):
+    _, path = parallel_tiny
     with pytest.raises(ConfigError, match="tensor_parallel_size must be a positive integer"):
         LLM(path, tensor_parallel_size=0)
     with pytest.raises(ConfigError, match="distributed_executor_backend 'slurm'"):
@@ -153,9 +111,9 @@ def test_bad_parallel_settings_are_named(tiny, monkeypatch):
         LLM(path, tensor_parallel_size=2)
 
 
-def test_worker_start_failure_is_raised_in_the_engine(tiny, tmp_path):
+def test_worker_start_failure_is_raised_in_the_engine(parallel_tiny, tmp_path):
     """A checkpoint that breaks in the worker (a tensor of the wrong shape) raises the worker's error here."""
-    hf, path = tiny
+    hf, path = parallel_tiny
     bad = save_hf_dir(hf, str(tmp_path / "bad"))
     shard = next(f for f in os.listdir(bad) if f.endswith(".safetensors"))
     tensors = load_file(os.path.join(bad, shard))
@@ -165,36 +123,21 @@ def test_worker_start_failure_is_raised_in_the_engine(tiny, tmp_path):
         LLM(bad, dtype="float32", pipeline_parallel_size=2)
 
 
-def test_killed_worker_fails_requests_within_seconds(tiny):
-    _, path = tiny
+def test_killed_worker_fails_requests_within_seconds(parallel_tiny):
+    _, path = parallel_tiny
     llm = LLM(path, dtype="float32", tensor_parallel_size=2, max_num_seqs=2)
     pids = [p.pid for p in llm.engine.executor._procs]
-    result = {}
-
-    def run():
-        try:
-            _tokens(llm, PROMPTS * 20, SamplingParams(max_tokens=200, ignore_eos=True))
-        except Exception as e:  # noqa: BLE001
-            result["error"] = e
-        result["at"] = time.time()
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    time.sleep(1.0)  # under load
-    killed_at = time.time()
-    os.kill(pids[1], signal.SIGKILL)
-    thread.join(timeout=30)
-    assert not thread.is_alive(), "generate hung after a worker died"
-    assert isinstance(result.get("error"), ExecutorDeadError)
-    assert "worker rank 1" in str(result["error"]) and "-9" in str(result["error"])
-    assert result["at"] - killed_at < 5
-    assert _gone(pids, timeout=10)
+    error, seconds = generate_until_killed(llm, pids[1])
+    assert isinstance(error, ExecutorDeadError)
+    assert "worker rank 1" in str(error) and "-9" in str(error)
+    assert seconds < 5
+    assert pids_gone(pids, timeout=10)
     with pytest.raises(ExecutorDeadError):  # and it stays dead, saying why
-        _tokens(llm, PROMPTS[:1])
+        greedy_tokens(llm, PROMPTS[:1])
 
 
-def test_no_worker_outlives_an_engine_killed_with_sigkill(tiny, tmp_path):
-    _, path = tiny
+def test_no_worker_outlives_an_engine_killed_with_sigkill(parallel_tiny, tmp_path):
+    _, path = parallel_tiny
     script = tmp_path / "engine.py"
     # no __main__ guard, as many users write it: the workers must not rerun it
     script.write_text(textwrap.dedent(f"""
@@ -208,10 +151,10 @@ def test_no_worker_outlives_an_engine_killed_with_sigkill(tiny, tmp_path):
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         pids = [int(p) for p in proc.stdout.readline().split()]
-        assert len(pids) == 2 and all(_alive(p) for p in pids)
+        assert len(pids) == 2 and all(pid_alive(p) for p in pids)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
-        assert _gone(pids, timeout=10), "a worker outlived its engine"
+        assert pids_gone(pids, timeout=10), "a worker outlived its engine"
     finally:
         proc.kill()
 
@@ -240,7 +183,7 @@ def test_shm_queue_carries_large_messages_to_every_reader():
     q.close()
 
 
-def test_server_answers_5xx_and_turns_unhealthy_when_a_worker_dies(tiny):
+def test_server_answers_5xx_and_turns_unhealthy_when_a_worker_dies(parallel_tiny):
     import asyncio
 
     import httpx
@@ -250,11 +193,11 @@ def test_server_answers_5xx_and_turns_unhealthy_when_a_worker_dies(tiny):
     from qwenserve.engine.llm_engine import LLMEngine
     from qwenserve.entrypoints.openai.api_server import build_app
 
-    _, path = tiny
+    _, path = parallel_tiny
     # one sequence at a time: the later requests are still waiting or running when the worker dies
     engine = AsyncLLMEngine(LLMEngine(EngineConfig.from_kwargs(model=path, dtype="float32", tensor_parallel_size=2,
                                                                max_num_seqs=1)))
-    app = build_app(engine, ["tiny"])
+    app = build_app(engine, ["parallel_tiny"])
     pids = [p.pid for p in engine.engine.executor._procs]
 
     async def main():
@@ -275,7 +218,7 @@ def test_server_answers_5xx_and_turns_unhealthy_when_a_worker_dies(tiny):
     assert failed.status_code >= 500 and "worker rank 0" in failed.json()["error"]["message"]
     assert later.status_code >= 500 and later.json()["error"]["message"]
     assert health.status_code == 503
-    assert _gone(pids, timeout=10)
+    assert pids_gone(pids, timeout=10)
 
 
 def _shm_rank(rank, world, port, out):

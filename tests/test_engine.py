@@ -243,8 +243,8 @@ def test_invalid_parameters_name_the_parameter(llm):
 
 
 def test_bad_prompts_leave_the_engine_clean(llm):
-    with pytest.raises(ValueError, match="prompt too long: 500 prompt tokens \\+ 100 max_tokens = 600 exceeds "
-                                         "max_model_len 512"):
+    with pytest.raises(ValueError, match="maximum context length is 512 tokens. However, you requested 600 tokens "
+                                         "\\(500 in the messages, 100 in the completion\\)"):
         llm.generate([{"prompt_token_ids": [1] * 500}], SamplingParams(max_tokens=100), use_tqdm=False)
     with pytest.raises(ValueError, match="the prompt is empty"):
         llm.generate([{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": []}], use_tqdm=False)

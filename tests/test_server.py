@@ -1,14 +1,12 @@
 """The OpenAI-compatible server, live on a loopback port, driven by the official openai client and raw HTTP."""
 import asyncio
 import json
-import socket
 import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from qwenserve.config.engine_config import EngineConfig
 from qwenserve.engine.async_engine import AsyncLLMEngine
@@ -16,7 +14,8 @@ from qwenserve.engine.llm_engine import LLMEngine
 from qwenserve.entrypoints.openai.api_server import build_app
 from qwenserve.entrypoints.openai.serving_engine import OpenAIServing
 
-from helpers import save_hf_dir, tiny_hf_model
+from helpers import live_server, save_hf_dir, tiny_hf_model
+from helpers import wait_idle_and_clean as idle_and_clean
 
 KEY = "test-key"
 
@@ -25,37 +24,14 @@ KEY = "test-key"
 def server(tmp_path_factory):
     path = save_hf_dir(tiny_hf_model(seed=51, max_position_embeddings=256), str(tmp_path_factory.mktemp("srv")))
     engine = AsyncLLMEngine(LLMEngine(EngineConfig.from_kwargs(model=path, dtype="float32", kv_cache_memory="8MiB")))
-    app = build_app(engine, ["tiny", "tiny-alias"], api_key=KEY)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not srv.started and time.time() < deadline:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", engine
-    srv.should_exit = True
-    thread.join(timeout=10)
+    with live_server(build_app(engine, ["tiny", "tiny-alias"], api_key=KEY)) as url:
+        yield url, engine
     engine.shutdown()
 
 
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server[0] + "/v1", api_key=KEY, max_retries=0)
-
-
-def idle_and_clean(engine) -> None:
-    """No live request and every block free (or cached), checked on the engine thread."""
-    deadline = time.time() + 10
-    while True:
-        state = asyncio.run(engine.call(lambda e: (e.has_unfinished_requests(), e.kv.num_free_blocks, e.kv.num_blocks)))
-        if not state[0] or time.time() > deadline:
-            break
-        time.sleep(0.05)
-    busy, free, total = state
-    assert not busy and free == total
 
 
 GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True})
@@ -144,7 +120,7 @@ def test_models_health_tokenize(client, server):
     ({"prompt": "x", "logprobs": 50}, 400, "logprobs", "logprobs must be"),
     ({"prompt": "x", "max_tokens": "many"}, 400, "max_tokens", "max_tokens"),
     ({"prompt": ""}, 400, "prompt", "prompt must not be empty"),
-    ({"prompt": "x " * 300, "max_tokens": 10}, 400, "prompt", "exceeds max_model_len 256"),
+    ({"prompt": "x " * 300, "max_tokens": 10}, 400, "prompt", "maximum context length is 256 tokens"),
     ({"max_tokens": 3}, 400, "prompt", "prompt"),
 ])
 def test_completion_errors(server, body, status, param, message):
@@ -201,7 +177,7 @@ def test_client_disconnect_aborts_the_request(server, endpoint, body):
                 break  # leave after the first chunk
     idle_and_clean(server[1])
     assert asyncio.run(server[1].call(lambda e: e.num_aborted)) == aborted_before + 1
-    metrics = httpx.get(url + "/metrics").text  # and visible to monitoring
+    metrics = httpx.get(url + "/metrics", headers=headers).text  # and visible to monitoring
     assert _metric(metrics, "qwenserve_num_aborted_requests_total") == aborted_before + 1
 
 
@@ -212,10 +188,11 @@ def _metric(text: str, name: str) -> float:
     raise AssertionError(f"{name} not in /metrics")
 
 
-def test_metrics_are_open_and_count_requests(client, server):
-    before = httpx.get(server[0] + "/metrics").text  # open without the API key
+def test_metrics_count_requests(client, server):
+    headers = {"Authorization": f"Bearer {KEY}"}  # /metrics needs the key unless --metrics-public
+    before = httpx.get(server[0] + "/metrics", headers=headers).text
     client.completions.create(model="tiny", prompt="count me", max_tokens=5, **GREEDY)
-    after = httpx.get(server[0] + "/metrics").text
+    after = httpx.get(server[0] + "/metrics", headers=headers).text
     assert _metric(after, "qwenserve_generation_tokens_total") - _metric(before, "qwenserve_generation_tokens_total") == 5
     assert _metric(after, "qwenserve_time_to_first_token_seconds_count") > _metric(
         before, "qwenserve_time_to_first_token_seconds_count")

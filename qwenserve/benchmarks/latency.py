@@ -5,11 +5,11 @@ import time
 
 from qwenserve.benchmarks.common import engine_run, hf_generate, hf_model_like, ordinary_vocab, random_prompts
 from qwenserve.config.engine_config import EngineConfig
-from qwenserve.engine.llm_engine import LLMEngine
+from qwenserve.engine.data_parallel import build_engine
 
 
 def bench_latency(config: EngineConfig, input_len: int, output_len: int, baseline: str | None) -> dict:
-    engine = LLMEngine(config)
+    engine = build_engine(config)
     vocab = ordinary_vocab(engine.tokenizer)
     prompt = random_prompts(1, input_len, vocab, seed=7)
     engine_run(engine, random_prompts(1, input_len, vocab, seed=8), [4])  # warm-up

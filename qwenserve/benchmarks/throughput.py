@@ -14,12 +14,12 @@ from qwenserve.benchmarks.common import (
     varied_workload,
 )
 from qwenserve.config.engine_config import EngineConfig
-from qwenserve.engine.llm_engine import LLMEngine
+from qwenserve.engine.data_parallel import build_engine
 
 
 def bench_throughput(config: EngineConfig, num_prompts: int, input_len: int, output_len: int, varied: bool,
                      baseline: str | None, hf_batch_size: int) -> dict:
-    engine = LLMEngine(config)
+    engine = build_engine(config)
     vocab = ordinary_vocab(engine.tokenizer)
     if varied:
         prompts, outputs = varied_workload(num_prompts, vocab)
@@ -33,7 +33,7 @@ def bench_throughput(config: EngineConfig, num_prompts: int, input_len: int, out
               "output_tokens_per_s": round(n_out / run["elapsed_s"], 2),
               "total_tokens_per_s": round((n_in + n_out) / run["elapsed_s"], 2),
               "dtype": str(engine.spec.dtype).removeprefix("torch."), "peak_rss_gb": peak_rss_gb(),
-              "kv_cache_gb": round(config.cache.kv_cache_memory / 1e9, 2)}
+              "kv_cache_gb": round(engine.kv_cache_budget / 1e9, 2)}
     if baseline == "hf":
         model = hf_model_like(engine.spec)
         pad = engine.tokenizer.pad_token_id or 0

@@ -58,17 +58,21 @@ class LoadConfig:
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = setting(16, "tokens per KV block (default: %(default)s)", type=int)
-    kv_cache_memory: int | str = setting(2 * GiB, "KV cache memory of each worker process, e.g. 2GiB or bytes; a "
-                                                   "tensor-parallel rank fills it with its share of the kv heads "
-                                                   "(as vLLM gives each GPU its own) (default: 2GiB)", type=str)
+    kv_cache_memory: int | str = setting("auto", "KV cache memory of each worker process, e.g. 2GiB or bytes, or "
+                                                 "auto: half of the memory available once the weights are loaded "
+                                                 "(less 1 GiB kept for the processes), shared by this host's "
+                                                 "workers; a tensor-parallel rank fills it with its share of the kv "
+                                                 "heads (as vLLM gives each GPU its own) (default: auto)", type=str)
     enable_prefix_caching: bool = setting(True, "reuse KV blocks of repeated prompt prefixes (default: on)")
     kv_cache_dtype: str = setting("auto", "KV cache storage: auto (the model's dtype), int8, fp8_e4m3 or fp8_e5m2 "
                                           "(one byte a value plus a scale per token and head: about twice the "
                                           "tokens in the same kv_cache_memory) (default: %(default)s)")
 
     def __post_init__(self):
-        object.__setattr__(self, "kv_cache_memory", parse_size(self.kv_cache_memory))
-        _check_positive(self, "block_size", "kv_cache_memory")
+        if self.kv_cache_memory != "auto":
+            object.__setattr__(self, "kv_cache_memory", parse_size(self.kv_cache_memory))
+            _check_positive(self, "kv_cache_memory")
+        _check_positive(self, "block_size")
         resolve_kv_cache_dtype(self.kv_cache_dtype)  # a bad name, or fp8 this torch lacks, fails here, not at load
 
 
@@ -82,23 +86,28 @@ class SchedulerConfig:
         _check_positive(self, "max_num_seqs", "max_num_batched_tokens")
 
 
-DISTRIBUTED_EXECUTOR_BACKENDS = ("mp",)
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
     """How the model is split over worker processes: tensor_parallel_size ranks share every layer,
-    pipeline_parallel_size stages each own a contiguous range of layers."""
+    pipeline_parallel_size stages each own a contiguous range of layers; data_parallel_size whole copies of that
+    (replicas) share the requests."""
     tensor_parallel_size: int = setting(1, "ranks that split every layer (heads, MLP columns, vocabulary) "
                                            "(default: %(default)s)", type=int)
     pipeline_parallel_size: int = setting(1, "stages that each hold a contiguous range of layers, with as many "
                                              "batches in flight (default: %(default)s)", type=int)
+    data_parallel_size: int = setting(1, "engine replicas, each with its own workers and KV cache, that share "
+                                         "the requests (routed by load and cached prefix) (default: %(default)s)",
+                                      type=int)
     distributed_executor_backend: str | None = setting(
-        None, "how the worker processes are started: mp (spawned on this host); default: mp when there is more "
-              "than one rank")
+        None, "how the worker processes are started: mp (spawned on this host) or ray (actors of the Ray cluster "
+              "at RAY_ADDRESS, or a local one; pip install qwenserve[ray]); default: mp when there is more than "
+              "one process")
 
     def __post_init__(self):
-        _check_positive(self, "tensor_parallel_size", "pipeline_parallel_size")
+        _check_positive(self, "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
         backend = self.distributed_executor_backend
         if backend is not None and backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
             raise ConfigError(f"distributed_executor_backend {backend!r} is not one of "
@@ -110,10 +119,11 @@ class ParallelConfig:
 
     @property
     def backend(self) -> str:
-        """'uni' (the worker in the engine's process) or the backend that starts worker processes."""
+        """'uni' (the worker in the engine's process) or the backend that starts worker processes. Replicas
+        always get worker processes: in the engine's process they would share its cores and its GIL."""
         if self.distributed_executor_backend is not None:
             return self.distributed_executor_backend
-        return "mp" if self.world_size > 1 else "uni"
+        return "mp" if self.world_size > 1 or self.data_parallel_size > 1 else "uni"
 
 
 @dataclass(frozen=True)

@@ -142,6 +142,12 @@ class Scheduler:
             seq.token_ids.append(token)
         return ran
 
+    def drop_step(self, scheduler_output: SchedulerOutput) -> list[Sequence]:
+        """A step that failed: its sequences are no longer in flight; returns those still live (to be ended)."""
+        for seq_id in scheduler_output.num_scheduled_tokens:
+            self.in_flight.discard(seq_id)
+        return [self._live[i] for i in scheduler_output.num_scheduled_tokens if i in self._live]
+
     def _fork(self, parent: Sequence) -> None:
         """Start parent's sibling samples once its prompt is computed: each shares the prompt's full blocks and
         runs at once (a waiting sequence never holds blocks, or it could starve the running ones). Without a

@@ -13,12 +13,14 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from qwenserve.engine.llm_engine import LLMEngine
+from qwenserve.engine.data_parallel import DataParallelEngine
+from qwenserve.engine.llm_engine import LLMEngine, RequestsFailedError
 from qwenserve.engine.outputs import RequestOutput
 from qwenserve.executor.abstract import ExecutorDeadError
 from qwenserve.sample.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+UNHEALTHY_AFTER_FAILED_STEPS = 3  # failed steps in a row before /health says 503
 
 
 class EngineDeadError(RuntimeError):
@@ -27,6 +29,14 @@ class EngineDeadError(RuntimeError):
 
 class OverloadedError(RuntimeError):
     """The waiting queue is full: the caller should retry later (HTTP 503)."""
+
+
+class DrainingError(OverloadedError):
+    """The server is shutting down and admits no new request: retry later, or on another replica (HTTP 503)."""
+
+
+class DrainTimeoutError(EngineDeadError):
+    """A request still running when the shutdown's drain deadline passed: it ends with this (HTTP 503)."""
 
 
 @dataclass
@@ -51,7 +61,7 @@ class _Call:
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None):
+    def __init__(self, engine: LLMEngine | DataParallelEngine, max_waiting_requests: int | None = None):
         """max_waiting_requests bounds the queue of admitted requests not yet running; beyond it, new requests
         are refused with OverloadedError instead of piling up."""
         self.engine = engine
@@ -60,10 +70,14 @@ class AsyncLLMEngine:
         self.model_id = engine.model_id
         self.max_model_len = engine.max_model_len
         self.generation_defaults = engine.generation_defaults
+        self.max_num_seqs = engine.config.scheduler.max_num_seqs
+        self.kv_cache_tokens = engine.kv_cache_tokens  # the most one request's sequences can ever hold
         self.max_waiting_requests = max_waiting_requests
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = threading.Event()
+        self._draining = threading.Event()  # set once by begin_drain(): refuse new requests, finish live ones
+        self.consecutive_failed_steps = 0  # written by the engine thread only
         self._thread = threading.Thread(target=self._run, name="qwenserve-engine", daemon=True)
         self._thread.start()
 
@@ -116,6 +130,29 @@ class AsyncLLMEngine:
         self._send(_Call(fn, done))
         return await asyncio.wrap_future(done)
 
+    # ---- graceful shutdown: drain, then abort the rest -----------------------------------------------------
+
+    def begin_drain(self) -> None:
+        """Admit no new request from now on (DrainingError); the live ones run on."""
+        self._draining.set()
+
+    @property
+    def draining(self) -> bool:
+        return self._draining.is_set()
+
+    @property
+    def num_live_requests(self) -> int:
+        """Admitted requests whose final output has not been delivered (a snapshot: the engine thread changes it)."""
+        return len(self._streams)
+
+    async def abort_all(self, error: Exception) -> int:
+        """End every live request with `error` (its stream raises it) and free its blocks; returns how many."""
+        def fail_all(_engine) -> int:
+            live = len(self._streams)
+            self._fail_all(error)
+            return live
+        return await self.call(fail_all) if self.alive else 0
+
     def _send(self, cmd) -> None:
         self._commands.put(cmd)
         if self._stopped.is_set():  # the engine thread may have left before it could see cmd
@@ -130,6 +167,11 @@ class AsyncLLMEngine:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stopped.is_set()
+
+    @property
+    def healthy(self) -> bool:
+        """Alive, and the last steps did not all fail (a few failures in a row mean a fault, not a bad batch)."""
+        return self.alive and self.consecutive_failed_steps < UNHEALTHY_AFTER_FAILED_STEPS
 
     def _check_alive(self) -> None:
         if not self.alive:
@@ -148,11 +190,21 @@ class AsyncLLMEngine:
                 pass
             try:
                 outputs = self.engine.step()
+                self.consecutive_failed_steps = 0
+            except RequestsFailedError as e:  # a failed step, or a dead replica: fail those, serve the rest
+                self.consecutive_failed_steps += 1
+                for out in e.outputs:
+                    self._deliver(out.request_id, out, final=out.finished)
+                for request_id, error in e.failures.items():
+                    self._deliver(request_id, EngineDeadError(str(error)) if isinstance(error, ExecutorDeadError)
+                                  else error, final=True)
+                continue
             except ExecutorDeadError as e:  # a worker is gone: nothing more can run
                 logger.error("engine stopped: %s; failing %d live requests", e, len(self._streams))
                 self._fail_all(EngineDeadError(f"the engine stopped: {e}"))
                 break
             except Exception as e:  # a bug, not a bad request: fail every live request, keep serving
+                self.consecutive_failed_steps += 1
                 logger.exception("engine step failed; aborting %d live requests", len(self._streams))
                 self._fail_all(e)
                 continue
@@ -180,7 +232,11 @@ class AsyncLLMEngine:
         if cmd is None:
             return
         if isinstance(cmd, _Add):
-            waiting = self.engine.num_waiting_sequences
+            if self._draining.is_set():  # checked here, on the engine thread: nothing slips in after the flag
+                cmd.done.set_exception(DrainingError("the server is shutting down and admits no new requests; "
+                                                     "retry later or on another replica"))
+                return
+            waiting = self.engine.num_waiting_requests  # not sequences: a request's n samples count once
             if self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
                 cmd.done.set_exception(OverloadedError(
                     f"the server is overloaded: {waiting} requests are already waiting (--max-waiting-requests "

@@ -55,13 +55,20 @@ class InputProcessor:
         if bad:
             raise RequestError(f"prompt token ids must be integers in [0, {self.vocab_size}); got {bad[:5]}",
                                param="prompt")
-        max_tokens = params.max_tokens or 1
-        if len(ids) + max_tokens > self.max_model_len:
-            raise RequestError(f"prompt too long: {len(ids)} prompt tokens + {max_tokens} max_tokens = "
-                               f"{len(ids) + max_tokens} exceeds max_model_len {self.max_model_len}", param="prompt")
-        tokens = len(ids) + (params.max_tokens or self.max_model_len - len(ids))
-        need = -(-tokens // self.block_size)
-        if need > self.num_kv_blocks:
-            raise RequestError(f"prompt too long for the KV cache: {len(ids)} prompt tokens + max_tokens need "
-                               f"{need} blocks, the cache has {self.num_kv_blocks} (raise kv_cache_memory)",
+        # vLLM's wording, which clients and their users already know
+        if len(ids) >= self.max_model_len:  # not even one token would fit after it
+            raise RequestError(f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                               f"request has {len(ids)} input tokens. Please reduce the length of the input messages.",
                                param="prompt")
+        max_tokens = params.max_tokens or self.max_model_len - len(ids)
+        if len(ids) + max_tokens > self.max_model_len:
+            raise RequestError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                               f"requested {len(ids) + max_tokens} tokens ({len(ids)} in the messages, {max_tokens} "
+                               f"in the completion). Please reduce the length of the messages or completion.",
+                               param="max_tokens")
+        need = -(-(len(ids) + max_tokens) // self.block_size)
+        if need > self.num_kv_blocks:
+            raise RequestError(f"this request could never fit in the KV cache: {len(ids)} prompt tokens + "
+                               f"{max_tokens} max_tokens need {need} blocks of {self.block_size} tokens, and the "
+                               f"whole cache has {self.num_kv_blocks} (lower max_tokens, or raise kv_cache_memory)",
+                               param="prompt" if params.max_tokens is None else "max_tokens")

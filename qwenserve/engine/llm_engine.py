@@ -14,10 +14,10 @@ from qwenserve.core.kv_cache_manager import KVCacheManager
 from qwenserve.core.request import Sequence
 from qwenserve.core.scheduler import Scheduler
 from qwenserve.core.step import SchedulerOutput
-from qwenserve.engine.input_processor import InputProcessor
+from qwenserve.engine.input_processor import InputProcessor, ProcessedRequest
 from qwenserve.engine.output_processor import OutputProcessor
 from qwenserve.engine.outputs import RequestOutput
-from qwenserve.executor.abstract import Executor
+from qwenserve.executor.abstract import Executor, ExecutorDeadError
 from qwenserve.executor.multiproc_executor import MultiprocExecutor
 from qwenserve.executor.uniproc_executor import UniProcExecutor
 from qwenserve.model.loader.model_loader import ModelSpec
@@ -27,8 +27,25 @@ logger = logging.getLogger(__name__)
 GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
+class StepFailedError(RuntimeError):
+    """The model raised while running a step (a bug or a fault, not a bad request): the requests in that step
+    fail with it, the others go on."""
+
+
+class RequestsFailedError(RuntimeError):
+    """A step ended some requests with an error while the others go on: `failures` maps each failed request id
+    to its error (its blocks are already freed); `outputs` are the step's outputs for the others."""
+
+    def __init__(self, failures: dict[str, Exception], outputs: list[RequestOutput] = ()):
+        super().__init__(f"{len(failures)} requests failed: " + "; ".join(sorted({str(e) for e in failures.values()})))
+        self.failures = failures
+        self.outputs = list(outputs)
+
+
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, replica_rank: int = 0):
+        """replica_rank: which of config's data_parallel_size replicas this is (its workers take their share of
+        the CPUs); a DataParallelEngine makes one LLMEngine per replica."""
         self.config = config
         load = config.load
         self.spec = ModelSpec.resolve(load.model, load.dtype, load.max_model_len, load.quantization)
@@ -40,7 +57,8 @@ class LLMEngine:
         # sampling defaults from the checkpoint, for requests that do not set them (the server applies them)
         self.generation_defaults = {k: generation[k] for k in GENERATION_DEFAULT_KEYS if generation.get(k) is not None}
 
-        self.executor = make_executor(config, self.spec)
+        self.executor = make_executor(config, self.spec, replica_rank)
+        self.kv_cache_budget = self.executor.kv_cache_budget  # bytes per worker ("auto" resolved)
         self.kv = KVCacheManager(self.executor.num_kv_blocks, config.cache.block_size,
                                  config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
@@ -57,9 +75,14 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:
+        self.add_processed_request(request_id, self.input_processor.process(prompt, params or SamplingParams()),
+                                   arrival_time)
+
+    def add_processed_request(self, request_id: str, request: ProcessedRequest,
+                              arrival_time: float | None = None) -> None:
+        """add_request for a prompt already tokenized and checked (a data-parallel router does that once)."""
         if request_id in self.output_processor.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
-        request = self.input_processor.process(prompt, params or SamplingParams())
         params = request.params
         seqs = [Sequence(next(self._seq_ids), request_id, i, list(request.prompt_token_ids),
                          len(request.prompt_token_ids), params.child(i) if params.n > 1 else params)
@@ -86,35 +109,76 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Fill the executor's queue of steps, then finish the oldest."""
+        self.submit_steps()
+        return self.finish_step()
+
+    def submit_steps(self) -> None:
+        """Schedule and submit steps until the executor has as many in flight as it runs at once (or there is
+        nothing to schedule)."""
         while len(self._in_flight) < self.executor.max_concurrent_batches:
             scheduler_output = self.scheduler.schedule()
             if scheduler_output.is_empty:
                 break
             self.executor.submit(scheduler_output)
             self._in_flight.append(scheduler_output)
+
+    def finish_step(self) -> list[RequestOutput]:
+        """Wait for the oldest step in flight and turn its tokens into outputs ([] if none is in flight)."""
         if not self._in_flight:
             return []
         scheduler_output = self._in_flight.popleft()
-        runner_output = self.executor.collect()
+        try:
+            runner_output = self.executor.collect()
+        except ExecutorDeadError:
+            raise
+        except Exception as e:  # noqa: BLE001 (the model failed on this batch: end its requests, keep the rest)
+            raise RequestsFailedError(self._end_step_requests(scheduler_output, e)) from e
         ran = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs, finished = self.output_processor.process(ran, runner_output)
         self.scheduler.finish(finished)
         return outputs
 
+    def _end_step_requests(self, scheduler_output: SchedulerOutput, error: Exception) -> dict[str, Exception]:
+        """End every request with a sequence in a failed step and free its blocks; returns their errors."""
+        logger.error("a model step failed (%s: %s); ending its requests", type(error).__name__, error,
+                     exc_info=error)
+        request_ids = {seq.request_id for seq in self.scheduler.drop_step(scheduler_output)}
+        failure = StepFailedError(f"the model step running this request failed: {type(error).__name__}: {error}")
+        for request_id in request_ids:
+            _, live = self.output_processor.abort(request_id)
+            self.scheduler.finish(live)
+        return dict.fromkeys(request_ids, failure)
+
     # ---- state, for the server's gauges ---------------------------------------------------------------
 
     @property
-    def num_waiting_sequences(self) -> int:
-        return len(self.scheduler.waiting)
+    def num_waiting_requests(self) -> int:
+        """Requests with a sequence waiting, each counted once however many of its n samples wait."""
+        return len({seq.request_id for seq in self.scheduler.waiting})
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        """Tokens the whole KV cache holds (one request can never use more)."""
+        return self.kv.num_blocks * self.kv.block_size
+
+    @property
+    def num_live_sequences(self) -> int:
+        """Sequences running or waiting: this engine's load, for a data-parallel router."""
+        return len(self.scheduler.running) + len(self.scheduler.waiting)
 
     def stats(self) -> dict:
         kv = self.kv
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "kv_usage": kv.usage, "hit_rate": kv.hits / kv.queries if kv.queries else 0.0,
+                "prefix_hit_tokens": kv.hits, "prefix_query_tokens": kv.queries,
                 "aborted": self.num_aborted, "free_blocks": kv.num_free_blocks, "num_blocks": kv.num_blocks}
 
 
-def make_executor(config: EngineConfig, spec: ModelSpec) -> Executor:
-    if config.parallel.backend == "uni":
+def make_executor(config: EngineConfig, spec: ModelSpec, replica_rank: int = 0) -> Executor:
+    backend = config.parallel.backend
+    if backend == "uni":
         return UniProcExecutor(config, spec)
-    return MultiprocExecutor(config, spec)
+    if backend == "ray":
+        from qwenserve.executor.ray_executor import RayExecutor  # Ray is an optional extra
+        return RayExecutor(config, spec)
+    return MultiprocExecutor(config, spec, replica_rank)

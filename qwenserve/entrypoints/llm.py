@@ -5,7 +5,7 @@ import itertools
 import time
 
 from qwenserve.config.engine_config import EngineConfig
-from qwenserve.engine.llm_engine import LLMEngine
+from qwenserve.engine.data_parallel import build_engine
 from qwenserve.engine.outputs import RequestOutput
 from qwenserve.model.loader.tokenizer import chat_prompt_ids
 from qwenserve.sample.sampling_params import SamplingParams
@@ -16,7 +16,7 @@ class LLM:
                  **engine_args):
         """Engine arguments by name (block_size=32, kv_cache_memory="1GiB", ...; see config/engine_config.py),
         or a whole EngineConfig."""
-        self.engine = LLMEngine(config or EngineConfig.from_kwargs(model=model, dtype=dtype, **engine_args))
+        self.engine = build_engine(config or EngineConfig.from_kwargs(model=model, dtype=dtype, **engine_args))
         self._ids = itertools.count()
 
     def get_tokenizer(self):

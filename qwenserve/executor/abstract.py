@@ -16,6 +16,7 @@ class ExecutorDeadError(RuntimeError):
 
 class Executor(ABC):
     num_kv_blocks: int  # KV cache blocks every worker holds (the scheduler's pool)
+    kv_cache_budget: int  # bytes of KV cache each worker was given (kv_cache_memory, or what "auto" came to)
     max_concurrent_batches: int = 1
 
     @abstractmethod

@@ -13,7 +13,6 @@ even when the engine is killed with SIGKILL, so no worker outlives the engine.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import multiprocessing
 import os
@@ -23,22 +22,14 @@ import threading
 import traceback
 import weakref
 
-import torch
-
 from qwenserve.config.engine_config import EngineConfig
 from qwenserve.core.step import ModelRunnerOutput, SchedulerOutput
 from qwenserve.executor.abstract import Executor, ExecutorDeadError
 from qwenserve.executor.shm_queue import ShmQueue
 from qwenserve.model.loader.model_loader import ModelSpec
-from qwenserve.model.parallel import (
-    PipelineParallel,
-    check_head_split,
-    free_port,
-    init_model_parallel,
-    layer_partition_from_env,
-)
+from qwenserve.model.parallel import check_parallel_layout, free_port
 from qwenserve.worker.cpu_tuning import bind_to_cpus, cpu_sets_for_ranks
-from qwenserve.worker.worker import Worker
+from qwenserve.worker.worker import init_rank_worker
 
 logger = logging.getLogger(__name__)
 HEALTH_CHECK_SECONDS = 0.5  # how often a waiting engine looks for dead workers
@@ -50,11 +41,14 @@ class WorkerStartError(RuntimeError):
 
 
 class MultiprocExecutor(Executor):
-    def __init__(self, config: EngineConfig, spec: ModelSpec):
+    def __init__(self, config: EngineConfig, spec: ModelSpec, replica_rank: int = 0):
+        """replica_rank: this engine's index among data_parallel_size replicas; its workers take that share of
+        the CPUs."""
         parallel = config.parallel
         self.tp_size, self.pp_size = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
         world = self.tp_size * self.pp_size
-        _check_split(spec, self.tp_size, self.pp_size)  # here, rather than in every worker after it spawned
+        # here, rather than in every worker after it spawned
+        check_parallel_layout(spec.checkpoint.config, self.tp_size, self.pp_size)
         self.max_concurrent_batches = self.pp_size
         self.output_rank = (self.pp_size - 1) * self.tp_size  # the last stage's first tensor rank
         ctx = multiprocessing.get_context("spawn")
@@ -64,7 +58,8 @@ class MultiprocExecutor(Executor):
         init_method = f"tcp://127.0.0.1:{free_port()}"
         self._dead: str | None = None
         self._procs, self._conns = [], []
-        for rank, cpus in enumerate(cpu_sets_for_ranks(world)):
+        cpu_sets = cpu_sets_for_ranks(world * parallel.data_parallel_size)[replica_rank * world:][:world]
+        for rank, cpus in enumerate(cpu_sets):
             engine_end, worker_end = ctx.Pipe()
             proc = ctx.Process(
                 target=run_worker, name=f"qwenserve-worker-{rank}", daemon=True,
@@ -78,17 +73,26 @@ class MultiprocExecutor(Executor):
         self._finalizer = weakref.finalize(self, _stop_workers, self._procs, self._conns, self._steps,
                                            self._results)
         try:
-            self.num_kv_blocks = self._wait_until_ready()
+            # with "auto", this host's memory is shared by every replica's workers (a DataParallelEngine sizes
+            # the first replica so, then gives the others that size)
+            auto = config.cache.kv_cache_memory == "auto"
+            self.num_kv_blocks = self._wait_until_ready(world * (parallel.data_parallel_size if auto else 1))
         except BaseException:
             self.shutdown()
             raise
         logger.info("%d worker processes ready (tensor parallel %d x pipeline parallel %d, %s)", world,
                     self.tp_size, self.pp_size, init_method)
 
-    def _wait_until_ready(self) -> int:
-        """Once every worker has loaded its part, tell all the fewest KV blocks any fits; returns that."""
-        fitting = [self._receive(rank, "loaded")[0] for rank in range(len(self._procs))]
-        num_blocks = min(fitting)
+    def _wait_until_ready(self, workers_sharing: int) -> int:
+        """Once every worker has loaded its part (so the memory left is what the KV caches may share), ask each
+        how many KV blocks it fits, then tell all the fewest; returns that."""
+        for rank in range(len(self._procs)):
+            self._receive(rank, "loaded")
+        for conn in self._conns:
+            conn.send(("fit", workers_sharing))
+        fitting = [self._receive(rank, "fits") for rank in range(len(self._procs))]
+        num_blocks = min(blocks for blocks, _ in fitting)
+        self.kv_cache_budget = min(budget for _, budget in fitting)
         for conn in self._conns:
             conn.send(("kv_blocks", num_blocks))
         for rank in range(len(self._procs)):
@@ -128,13 +132,15 @@ class MultiprocExecutor(Executor):
 
     def check_health(self) -> None:
         if self._dead is None:
-            for rank, proc in enumerate(self._procs):
-                if not proc.is_alive():
-                    self._dead = f"worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}" \
-                                 f"{self._failure_of(rank)}"
-                    logger.error("%s; stopping the other workers", self._dead)
-                    self.shutdown()
-                    break
+            dead = [rank for rank, proc in enumerate(self._procs) if not proc.is_alive()]
+            if dead:
+                # one death often takes a peer with it (its collective breaks): name every dead rank, a killed one
+                # (negative exit code: a signal) first, as it is the likelier cause
+                dead.sort(key=lambda rank: self._procs[rank].exitcode >= 0)
+                self._dead = "; ".join(f"worker rank {rank} (pid {self._procs[rank].pid}) exited with code "
+                                       f"{self._procs[rank].exitcode}{self._failure_of(rank)}" for rank in dead)
+                logger.error("%s; stopping the other workers", self._dead)
+                self.shutdown()
         if self._dead is not None:
             raise ExecutorDeadError(self._dead)
 
@@ -154,12 +160,6 @@ class MultiprocExecutor(Executor):
         if self._dead is None:
             self._dead = "the executor was shut down"
         self._finalizer()
-
-
-def _check_split(spec: ModelSpec, tp_size: int, pp_size: int) -> None:
-    config = spec.checkpoint.config
-    check_head_split(config.num_attention_heads, config.num_key_value_heads, tp_size)
-    PipelineParallel(0, pp_size, layer_partition=layer_partition_from_env()).layer_range(config.num_hidden_layers)
 
 
 def _stop_workers(procs, conns, steps: ShmQueue, results: ShmQueue) -> None:
@@ -209,19 +209,11 @@ def run_worker(rank: int, config: EngineConfig, steps: ShmQueue, results: ShmQue
     threading.Thread(target=_watch_engine, args=(conn, from_engine), daemon=True, name="engine-watch").start()
     try:
         bind_to_cpus(cpus)
-        parallel = config.parallel
-        device = torch.device(config.load.device)
-        if device.type == "cuda":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
-            config = _with_device(config, f"cuda:{torch.cuda.current_device()}")
         # every rank is on this host: tensor ranks may all-reduce through shared memory
-        tp, pp = init_model_parallel(rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
-                                     init_method, "nccl" if device.type == "cuda" else "gloo",
-                                     shm_name=f"qwenserve-allreduce-{init_method.rsplit(':', 1)[1]}")
-        load = config.load
-        worker = Worker(config, ModelSpec.resolve(load.model, load.dtype, load.max_model_len, load.quantization),
-                        tp, pp)
-        conn.send(("loaded", worker.kv_blocks_that_fit()))
+        worker = init_rank_worker(rank, config, init_method, f"qwenserve-allreduce-{init_method.rsplit(':', 1)[1]}")
+        conn.send(("loaded",))
+        _, workers_sharing = from_engine.get()
+        conn.send(("fits", worker.kv_blocks_that_fit(workers_sharing), worker.kv_cache_budget))
         _, num_blocks = from_engine.get()
         worker.init_kv_cache(num_blocks)
     except Exception as e:  # noqa: BLE001 (reported to the engine, which raises it)
@@ -257,7 +249,3 @@ def _watch_engine(conn, inbox: queue.Queue) -> None:
     except (EOFError, OSError):
         pass
     os._exit(0)
-
-
-def _with_device(config: EngineConfig, device: str) -> EngineConfig:
-    return dataclasses.replace(config, load=dataclasses.replace(config.load, device=device))

@@ -15,6 +15,7 @@ class UniProcExecutor(Executor):
         self.worker = Worker(config, spec)
         self.worker.init_kv_cache(self.worker.kv_blocks_that_fit())
         self.num_kv_blocks = self.worker.num_kv_blocks
+        self.kv_cache_budget = self.worker.kv_cache_budget
         self._submitted: deque[SchedulerOutput] = deque()
 
     def submit(self, scheduler_output: SchedulerOutput) -> None:

@@ -46,6 +46,13 @@ def shard_kv_heads(num_kv_heads: int, tp: TensorParallel) -> tuple[int, int]:
     return 1, tp.rank // (tp.size // num_kv_heads)
 
 
+def check_parallel_layout(config, tp_size: int, pp_size: int) -> None:
+    """Raise ValueError, naming the numbers, if the model (a ModelConfig) cannot be split this way; run in the
+    engine before any worker starts."""
+    check_head_split(config.num_attention_heads, config.num_key_value_heads, tp_size)
+    PipelineParallel(0, pp_size, layer_partition=layer_partition_from_env()).layer_range(config.num_hidden_layers)
+
+
 def check_head_split(num_heads: int, num_kv_heads: int, tp_size: int) -> None:
     if num_heads % tp_size:
         raise ValueError(f"tensor_parallel_size {tp_size} does not divide num_attention_heads {num_heads} "

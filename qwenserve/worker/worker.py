@@ -2,6 +2,7 @@
 (which holds the per-sequence state and the sampler). The executor drives it one step at a time."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -12,8 +13,9 @@ from qwenserve.config.model_config import resolve_kv_cache_dtype
 from qwenserve.core.step import ModelRunnerOutput, SchedulerOutput
 from qwenserve.model.layers.attention import PagedKVCache
 from qwenserve.model.loader.model_loader import ModelSpec
-from qwenserve.model.parallel import PipelineParallel, TensorParallel
+from qwenserve.model.parallel import PipelineParallel, TensorParallel, init_model_parallel
 from qwenserve.worker.cpu_tuning import keep_large_allocations_in_heap
+from qwenserve.worker.memory import kv_cache_budget
 from qwenserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -31,21 +33,28 @@ class Worker:
         if self.device.type == "cpu":
             keep_large_allocations_in_heap()
         self.model = spec.load_model(self.device, tp, pp)
+        self.max_model_len = spec.max_model_len
         layers = self.model.model.own_layers
         self._kv_shape = (len(layers), config.cache.block_size, layers[0].self_attn.num_kv_heads,
                           layers[0].self_attn.head_dim)
         self._kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype) or spec.dtype
         self.kv_cache: PagedKVCache | None = None
+        self.kv_cache_budget: int | None = None  # bytes this worker may use, once kv_blocks_that_fit has run
         self.model_runner: ModelRunner | None = None
 
-    def kv_blocks_that_fit(self) -> int:
-        """As many blocks as the memory budget holds for this worker's layers and kv heads."""
+    def kv_blocks_that_fit(self, workers_sharing: int = 1) -> int:
+        """As many blocks as this worker's budget holds for its layers and kv heads: kv_cache_memory, or with
+        "auto" its share (one of workers_sharing, all loaded) of the memory available now; never more than
+        max_num_seqs sequences of max_model_len tokens could use."""
         per_block = PagedKVCache.bytes_per_block(*self._kv_shape, self._kv_dtype)
-        num_blocks = self.config.cache.kv_cache_memory // per_block
+        budget = kv_cache_budget(self.config.cache.kv_cache_memory, self.device, workers_sharing)
+        num_blocks = budget // per_block
         if num_blocks < 1:
-            raise ConfigError(f"kv_cache_memory {self.config.cache.kv_cache_memory} bytes is less than one KV "
-                              f"block ({per_block} bytes for {self._kv_shape[1]} tokens)")
-        return num_blocks
+            raise ConfigError(f"kv_cache_memory {budget} bytes is less than one KV block ({per_block} bytes for "
+                              f"{self._kv_shape[1]} tokens)")
+        self.kv_cache_budget = budget
+        # more would never be used: every sequence slot full to max_model_len
+        return min(num_blocks, self.config.scheduler.max_num_seqs * -(-self.max_model_len // self._kv_shape[1]))
 
     def init_kv_cache(self, num_blocks: int) -> None:
         num_layers, block_size, num_kv_heads, head_dim = self._kv_shape
@@ -65,3 +74,19 @@ class Worker:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """The step's sampled tokens, or None on a pipeline stage that is not the last."""
         return self.model_runner.execute_model(scheduler_output)
+
+
+def init_rank_worker(rank: int, config: EngineConfig, init_method: str, shm_name: str | None) -> Worker:
+    """In a worker process of any executor: pick this rank's device, join the other ranks (torch.distributed
+    at init_method: gloo on CPU, NCCL on CUDA), and load this rank's part of the model. shm_name: the ranks of
+    each tensor-parallel group share a host, so they may all-reduce through shared memory of that name."""
+    parallel = config.parallel
+    device = torch.device(config.load.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+        config = dataclasses.replace(config, load=dataclasses.replace(config.load, device=str(device)))
+    tp, pp = init_model_parallel(rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size, init_method,
+                                 "nccl" if device.type == "cuda" else "gloo", shm_name)
+    load = config.load
+    return Worker(config, ModelSpec.resolve(load.model, load.dtype, load.max_model_len, load.quantization), tp, pp)

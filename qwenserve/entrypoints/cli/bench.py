@@ -6,6 +6,7 @@ import argparse
 import json
 
 from qwenserve.entrypoints.cli.engine_args import add_engine_args, engine_config_from_args, positive_int
+from qwenserve.entrypoints.cli.serve import DEFAULT_MAX_REQUEST_BYTES, byte_size
 
 
 def register(sub) -> None:
@@ -74,6 +75,13 @@ def register(sub) -> None:
     srv.add_argument("--served-model", default=None, help="model id to ask for (default: the server's first)")
     srv.add_argument("--max-token-id", type=positive_int, default=50000,
                      help="prompts are random token ids below this (default: %(default)s)")
+    srv.add_argument("--storm", action="store_true",
+                     help="mix in clients that leave after their first token (10%%) and malformed or hostile "
+                          "requests (5%%: n=100000, invalid JSON, huge max_tokens, wrong types, an unknown role, a "
+                          "body over the server's limit); adds valid requests lost and bad requests answered 4xx")
+    srv.add_argument("--max-request-bytes", type=byte_size, default=DEFAULT_MAX_REQUEST_BYTES,
+                     help="the server's --max-request-bytes: the storm's oversized body is one byte more "
+                          "(default: %(default)s)")
     srv.add_argument("--json", action="store_true")
 
 
@@ -115,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("bench serve needs exactly one of --request-rate and --max-concurrency")
         result = asyncio.run(run_bench_serve(args.url, args.num_prompts, args.input_len, args.output_len,
                                              args.max_concurrency, args.request_rate, args.api_key,
-                                             args.served_model, max_token_id=args.max_token_id))
+                                             args.served_model, max_token_id=args.max_token_id, storm=args.storm,
+                                             max_request_bytes=args.max_request_bytes))
     print_result(f"bench {args.bench_command}", result, args.json)
     return 0

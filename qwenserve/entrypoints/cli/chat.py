@@ -6,7 +6,7 @@ import itertools
 import sys
 
 from qwenserve.config.engine_config import EngineConfig
-from qwenserve.engine.llm_engine import LLMEngine
+from qwenserve.engine.data_parallel import build_engine
 from qwenserve.entrypoints.cli.engine_args import add_engine_args, engine_config_from_args, positive_int
 from qwenserve.model.loader.tokenizer import chat_prompt_ids
 from qwenserve.sample.sampling_params import SamplingParams
@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
 def run_chat(config: EngineConfig, params: SamplingParams, system: str | None = None, read=input,
              out=sys.stdout) -> list[dict]:
     """Reads user turns with read() until EOF or /exit; returns the conversation."""
-    engine = LLMEngine(config)
+    engine = build_engine(config)
     messages = [{"role": "system", "content": system}] if system else []
     out.write("Chatting with %s. /exit or Ctrl-D quits, /reset starts over.\n" % engine.model_id)
     for turn in itertools.count():

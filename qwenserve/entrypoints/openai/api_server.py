@@ -1,17 +1,26 @@
-"""The OpenAI-compatible HTTP server (FastAPI) over the async engine: the app, its routes, error handlers and
-API key. What each endpoint does lives in the serving_* modules."""
+"""The OpenAI-compatible HTTP server (FastAPI) over the async engine: the app, its routes, error handlers (every
+error is OpenAI-shaped JSON) and its middleware (request ids and access log, CORS, API key, body-size limit).
+What each endpoint does lives in the serving_* modules."""
 from __future__ import annotations
 
 import hmac
 import logging
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
 
 from qwenserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from qwenserve.entrypoints.openai.metrics import ServerMetrics
+from qwenserve.entrypoints.openai.middleware import (
+    BodySizeLimitMiddleware,
+    OpenAICORSMiddleware,
+    RequestContextMiddleware,
+)
 from qwenserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -20,25 +29,34 @@ from qwenserve.entrypoints.openai.protocol import (
 )
 from qwenserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from qwenserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from qwenserve.entrypoints.openai.serving_engine import APIError, error_response
+from qwenserve.entrypoints.openai.serving_engine import DEFAULT_MAX_N, APIError, error_response
 from qwenserve.entrypoints.openai.serving_models import OpenAIServingModels
 from qwenserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger(__name__)
-OPEN_PATHS = {"/health", "/metrics"}  # served without the API key
+WEBUI_DIR = Path(__file__).parent / "webui"  # the web UI's static files: index.html at /, the rest under /ui/
+UI_PATHS = {"/"} | {f"/ui/{f.name}" for f in WEBUI_DIR.iterdir() if f.is_file()}  # open: its API calls carry the key
+OPEN_PATHS = {"/health"} | UI_PATHS  # served without the API key
+DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # a full 128k-token context as JSON token ids is ~1 MB; GB-sized bodies are not
+
+
+def is_open_path(path: str, metrics_public: bool = False) -> bool:
+    """Whether `path` is served without the API key: /health, the web UI's files, and /metrics with
+    --metrics-public (by default it is guarded: it tells how busy the server is)."""
+    return path in OPEN_PATHS or (metrics_public and path == "/metrics")
 
 
 class APIKeyMiddleware:
     """Plain ASGI middleware (Starlette's BaseHTTPMiddleware would hide client disconnects from the routes).
     The comparison is constant-time."""
 
-    def __init__(self, app, api_key: str, open_paths: set[str]):
+    def __init__(self, app, api_key: str, metrics_public: bool = False):
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
-        self.open_paths = open_paths
+        self.metrics_public = metrics_public
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"] not in self.open_paths:
+        if scope["type"] == "http" and not is_open_path(scope["path"], self.metrics_public):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 response = error_response(401, "missing or invalid API key (send Authorization: Bearer <key>)",
@@ -49,19 +67,29 @@ class APIKeyMiddleware:
 
 
 def build_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: str | None = None,
-              metrics: ServerMetrics | None = None) -> FastAPI:
+              metrics: ServerMetrics | None = None, *, max_n: int = DEFAULT_MAX_N,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, allowed_origins: list[str] | None = None,
+              metrics_public: bool = False, log_requests: bool = False) -> FastAPI:
+    """The app. api_key guards every route but is_open_path's; CORS is off unless allowed_origins names some;
+    prompts and outputs are logged only with log_requests."""
     server_metrics = metrics or ServerMetrics()
     if engine.generation_defaults:
         logger.info("sampling defaults from generation_config (used when a request does not set them): %s",
                     engine.generation_defaults)
     serving_models = OpenAIServingModels(served_model_names, engine.max_model_len)
-    serving_completion = OpenAIServingCompletion(engine, serving_models, server_metrics)
-    serving_chat = OpenAIServingChat(engine, serving_models, server_metrics)
+    serving_completion = OpenAIServingCompletion(engine, serving_models, server_metrics, max_n, log_requests)
+    serving_chat = OpenAIServingChat(engine, serving_models, server_metrics, max_n, log_requests)
     serving_tokenization = OpenAIServingTokenization(engine.tokenizer, serving_models)
 
     app = FastAPI(title="qwenserve")
+    # the last added runs first: request id and access log, then CORS (preflights need no key), the key, the size
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_bytes)
     if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key, open_paths=OPEN_PATHS)
+        app.add_middleware(APIKeyMiddleware, api_key=api_key, metrics_public=metrics_public)
+    if allowed_origins:
+        app.add_middleware(OpenAICORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["X-Request-Id"])
+    app.add_middleware(RequestContextMiddleware)
 
     @app.exception_handler(APIError)
     async def api_error(_, e: APIError):
@@ -74,14 +102,43 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: st
     @app.exception_handler(RequestValidationError)
     async def validation_error(_, e: RequestValidationError):
         first = e.errors()[0] if e.errors() else {}
+        if first.get("type") == "json_invalid":  # its loc is ("body", character offset): not a field
+            reason = first.get("ctx", {}).get("error", "JSON decode error")
+            return error_response(400, f"the body is not valid JSON: {reason} at character {first['loc'][-1]}",
+                                  "invalid_request_error")
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
         return error_response(400, message, "invalid_request_error", loc[0] if loc else None)
 
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException):
+        """Starlette's and FastAPI's own errors, in the OpenAI shape: unknown route, wrong method, a body that
+        cannot be parsed (e.g. nested too deeply), a body too large."""
+        if e.status_code == 404:
+            message, code = f"Invalid URL ({request.method} {request.url.path})", "not_found"
+        elif e.status_code == 405:
+            message = f"Method {request.method} is not allowed for {request.url.path}"
+            allowed = (e.headers or {}).get("Allow")
+            message, code = message + (f" (allowed: {allowed})" if allowed else ""), "method_not_allowed"
+        elif e.status_code == 413:
+            message, code = e.detail, "request_too_large"
+        elif isinstance(e.__cause__, RecursionError):  # FastAPI says only "There was an error parsing the body"
+            message, code = "the JSON body is nested too deeply", None
+        elif isinstance(e.__cause__, UnicodeDecodeError):
+            message, code = "the body is not UTF-8 encoded JSON", None
+        else:
+            message, code = e.detail if isinstance(e.detail, str) else "invalid request", None
+        return error_response(e.status_code, message, "invalid_request_error", code=code, headers=e.headers)
+
     @app.get("/health")
     async def health():
+        if engine.draining:  # a load balancer stops sending here while the live requests finish
+            return error_response(503, "the server is shutting down", "server_error")
         if not engine.alive:
             return error_response(503, "the engine is not running", "server_error")
+        if not engine.healthy:
+            return error_response(503, f"the last {engine.consecutive_failed_steps} engine steps failed",
+                                  "server_error")
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
@@ -108,4 +165,9 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: st
     async def detokenize(body: DetokenizeRequest):
         return serving_tokenization.detokenize(body)
 
+    @app.get("/", include_in_schema=False)
+    async def web_ui():
+        return FileResponse(WEBUI_DIR / "index.html")
+
+    app.mount("/ui", StaticFiles(directory=WEBUI_DIR), name="ui")
     return app

@@ -29,6 +29,20 @@ class ServerMetrics:
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("qwenserve_time_per_output_token_seconds", "Mean time per output token after the first",
                               buckets=_TOKEN_BUCKETS, registry=r)
+        # data-parallel replicas, one series each (the gauges above are their totals)
+        per = ["replica"]
+        self.replica_alive = Gauge("qwenserve_replica_alive", "1 while the replica serves, 0 once it has left the "
+                                   "pool", per, registry=r)
+        self.replica_running = Gauge("qwenserve_replica_num_requests_running", "Sequences running on the replica",
+                                     per, registry=r)
+        self.replica_waiting = Gauge("qwenserve_replica_num_requests_waiting", "Sequences waiting on the replica",
+                                     per, registry=r)
+        self.replica_kv_usage = Gauge("qwenserve_replica_kv_cache_usage_perc", "Fraction of the replica's KV blocks "
+                                      "in use (0-1)", per, registry=r)
+        self.replica_hit_rate = Gauge("qwenserve_replica_prefix_cache_hit_rate", "The replica's prefix cache hit "
+                                      "rate", per, registry=r)
+        self.replica_routed = Gauge("qwenserve_replica_requests_routed_total", "Requests routed to the replica",
+                                    per, registry=r)
         self.e2e = Histogram("qwenserve_e2e_request_latency_seconds", "Request latency, arrival to last token",
                              buckets=_LATENCY_BUCKETS, registry=r)
 
@@ -54,4 +68,12 @@ class ServerMetrics:
         self.kv_usage.set(snap["kv_usage"])
         self.prefix_hit_rate.set(snap["hit_rate"])
         self.aborted.set(snap["aborted"])
+        for rank, replica in enumerate(snap.get("replicas", ())):
+            label = str(rank)
+            self.replica_alive.labels(label).set(int(replica["alive"]))
+            self.replica_running.labels(label).set(replica["running"])
+            self.replica_waiting.labels(label).set(replica["waiting"])
+            self.replica_kv_usage.labels(label).set(replica["kv_usage"])
+            self.replica_hit_rate.labels(label).set(replica["hit_rate"])
+            self.replica_routed.labels(label).set(replica["routed"])
         return generate_latest(self.registry)

@@ -2,13 +2,18 @@
 from __future__ import annotations
 
 import time
-import uuid
 
 from fastapi import Request
 
 from qwenserve.engine.outputs import RequestOutput
 from qwenserve.entrypoints.openai.protocol import ChatCompletionRequest
-from qwenserve.entrypoints.openai.serving_engine import OpenAIServing, chat_ids, usage
+from qwenserve.entrypoints.openai.serving_engine import (
+    OpenAIServing,
+    chat_ids,
+    engine_ids_prefix,
+    request_id,
+    usage,
+)
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -18,15 +23,15 @@ class OpenAIServingChat(OpenAIServing):
         model = self.models.model_name(body.model)
         params = self._params(body)
         ids = chat_ids(self.tokenizer, body.messages, body.add_generation_prompt)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        rid = f"chatcmpl-{request_id(request)}"
         created = int(time.time())
-        admitted = await self._admit([{"prompt_token_ids": ids}], params, rid)
+        admitted = await self._admit([{"prompt_token_ids": ids}], params, engine_ids_prefix(request, rid))
         top_k = params.logprobs or 0
         if body.stream:
             first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None} for i in range(params.n)]
             header = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-            return self._stream(header, admitted, body, self._delta_choices(params.n, top_k), first)
+            return self._stream(request, header, admitted, body, self._delta_choices(params.n, top_k), first)
         out = (await self._run(admitted, request))[0]
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                     "logprobs": self._logprobs(c, top_k), "finish_reason": c.finish_reason,

@@ -2,13 +2,18 @@
 from __future__ import annotations
 
 import time
-import uuid
 
 from fastapi import Request
 
 from qwenserve.engine.outputs import RequestOutput
 from qwenserve.entrypoints.openai.protocol import CompletionRequest
-from qwenserve.entrypoints.openai.serving_engine import APIError, OpenAIServing, usage
+from qwenserve.entrypoints.openai.serving_engine import (
+    APIError,
+    OpenAIServing,
+    engine_ids_prefix,
+    request_id,
+    usage,
+)
 
 
 def _prompts(prompt) -> list:
@@ -20,7 +25,7 @@ def _prompts(prompt) -> list:
         prompts = list(prompt)
     if not prompts or any(len(p) == 0 for p in prompts):
         raise APIError(400, "prompt must not be empty", param="prompt")
-    return [{"prompt_token_ids": p} if isinstance(p, list) else p for p in prompts]
+    return prompts
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -28,11 +33,11 @@ class OpenAIServingCompletion(OpenAIServing):
         model = self.models.model_name(body.model)
         prompts = _prompts(body.prompt)
         params = self._params(body)
-        rid = f"cmpl-{uuid.uuid4().hex}"
+        rid = f"cmpl-{request_id(request)}"
         header = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model}
-        admitted = await self._admit(prompts, params, rid)
+        admitted = await self._admit([self._tokenized(p) for p in prompts], params, engine_ids_prefix(request, rid))
         if body.stream:
-            return self._stream(header, admitted, body, self._delta_choices(params.n, body.echo))
+            return self._stream(request, header, admitted, body, self._delta_choices(params.n, body.echo))
         outs = await self._run(admitted, request)
         choices = []
         for i, out in enumerate(outs):
@@ -42,6 +47,13 @@ class OpenAIServingCompletion(OpenAIServing):
                                 "logprobs": self._logprobs(comp, out, body.echo),
                                 "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason})
         return header | {"choices": choices, "usage": usage(outs)}
+
+    def _tokenized(self, prompt: str | list[int]) -> dict:
+        """A prompt as the engine takes it, tokenized here (as the engine would) so that admission knows its
+        length before anything is queued."""
+        if isinstance(prompt, list):
+            return {"prompt_token_ids": prompt}
+        return {"prompt": prompt, "prompt_token_ids": self.tokenizer.encode(prompt, add_special_tokens=False)}
 
     def _echo(self, out: RequestOutput) -> str:
         """The prompt's text, for echo."""

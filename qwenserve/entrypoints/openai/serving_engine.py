@@ -4,18 +4,27 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from qwenserve.config.errors import RequestError
-from qwenserve.engine.async_engine import AsyncLLMEngine, OverloadedError
+from qwenserve.engine.async_engine import AsyncLLMEngine, DrainingError, EngineDeadError, OverloadedError
 from qwenserve.engine.outputs import RequestOutput
 from qwenserve.entrypoints.openai.metrics import ServerMetrics
 from qwenserve.model.loader.tokenizer import chat_prompt_ids
 
 RETRY_AFTER_S = "1"
+# OpenAI's own upper bound on n; also well under the default max_num_seqs (256), so one request cannot fill the batch
+DEFAULT_MAX_N = 128
+request_logger = logging.getLogger("qwenserve.requests")  # prompts and outputs: only with --log-requests
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its answer was ready (its requests are aborted; the access log says so)."""
 
 
 class APIError(Exception):
@@ -36,6 +45,33 @@ def error_response(status: int, message: str, type_: str, param: str | None = No
 
 def error_body(message: str, type_: str, param: str | None = None, code=None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def public_message(e: Exception) -> str:
+    """What a client may read of an engine failure: our own errors say what happened; anything else (a bug)
+    only its type, since its text may hold file paths or internals (the log has the traceback)."""
+    if isinstance(e, (APIError, RequestError, EngineDeadError)):
+        return str(e)
+    return f"the engine failed while running this request ({type(e).__name__}); see the server log"
+
+
+def request_id(request: Request) -> str:
+    """The id RequestContextMiddleware gave this request (the client's X-Request-Id, or a new one)."""
+    return getattr(request.state, "request_id", None) or uuid.uuid4().hex
+
+
+def engine_ids_prefix(request: Request, response_id: str) -> str:
+    """What the engine's ids for this request's prompts start with (then -0, -1, ...): the response's id, plus a
+    short random tail when the client chose the id, so that a retry carrying the same X-Request-Id (proxies keep
+    it) never collides with the request still being aborted."""
+    if getattr(request.state, "request_id_from_client", False):
+        return f"{response_id}-{uuid.uuid4().hex[:6]}"
+    return response_id
+
+
+def record_usage(request: Request, body: dict) -> None:
+    """Leave the request's token counts where the access log reads them."""
+    request.state.usage = body
 
 
 def chat_ids(tokenizer, messages, add_generation_prompt: bool) -> list[int]:
@@ -66,10 +102,13 @@ class OpenAIServing:
     DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
     PROMPT_PARAM = "prompt"  # the request field an engine complaint about the prompt is reported against
 
-    def __init__(self, engine: AsyncLLMEngine, models, metrics: ServerMetrics):
+    def __init__(self, engine: AsyncLLMEngine, models, metrics: ServerMetrics, max_n: int = DEFAULT_MAX_N,
+                 log_requests: bool = False):
         self.engine = engine
         self.models = models
         self.metrics = metrics
+        self.max_n = max_n
+        self.log_requests = log_requests
         self.tokenizer = engine.tokenizer
         self.defaults = engine.generation_defaults
 
@@ -87,18 +126,46 @@ class OpenAIServing:
         except ValueError as e:
             raise self._bad_request(e) from e
 
-    async def _admit(self, prompts: list, params, prefix: str) -> Admitted:
-        """Admit every prompt before answering, so a bad one is a 400 (and admits none of the others)."""
+    def _check_fan_out(self, prompt_lens: list[int], params) -> None:
+        """Refuse (400, before anything is queued) a request with a prompt whose samples could never run: n over
+        --max-n or over the sequences the batch holds (--max-num-seqs), or a prompt plus max_tokens for each of
+        its n samples (which share the prompt's blocks) over the whole KV cache. Each prompt of a batch is its
+        own engine request: together they may queue."""
+        n, engine = params.n, self.engine
+        if n > self.max_n:
+            raise APIError(400, f"n must be at most {self.max_n} on this server (--max-n), got {n}", param="n")
+        if n > engine.max_num_seqs:
+            raise APIError(400, f"n={n} samples of one prompt are more than the {engine.max_num_seqs} sequences this "
+                                f"server runs at once (--max-num-seqs)", param="n")
+
+        def max_tokens(prompt_len: int) -> int:  # unset: up to the context length, as the engine resolves it
+            return params.max_tokens if params.max_tokens is not None else max(engine.max_model_len - prompt_len, 0)
+        longest = max(prompt_lens, key=lambda p: p + n * max_tokens(p))
+        need = longest + n * max_tokens(longest)
+        if need > engine.kv_cache_tokens:
+            raise APIError(400, f"this request could never fit in the KV cache: {longest} prompt tokens + n={n} x "
+                                f"{max_tokens(longest)} max_tokens = {need} tokens, and the whole cache holds "
+                                f"{engine.kv_cache_tokens}; lower n or max_tokens",
+                           param="n" if n > 1 else "max_tokens")
+
+    async def _admit(self, prompts: list[dict], params, prefix: str) -> Admitted:
+        """Admit every prompt before answering, so a bad one is a 400 (and admits none of the others). Each
+        prompt comes tokenized ({"prompt_token_ids": ...}, and "prompt" with its text) so its fit is known first."""
+        self._check_fan_out([len(p["prompt_token_ids"]) for p in prompts], params)
         admitted = []
         try:
             for i, prompt in enumerate(prompts):
                 rid = f"{prefix}-{i}"
                 admitted.append((rid, await self.engine.add_request(rid, prompt, params)))
+                if self.log_requests:
+                    request_logger.info("request %s: prompt %r, prompt_token_ids %s, params %s", rid,
+                                        prompt.get("prompt"), prompt["prompt_token_ids"], params)
         except (ValueError, OverloadedError) as e:
             for rid, _ in admitted:
                 self.engine.abort(rid)
-            if isinstance(e, OverloadedError):
-                raise APIError(503, str(e), "server_overloaded", headers={"Retry-After": RETRY_AFTER_S}) from e
+            if isinstance(e, OverloadedError):  # a full queue, or a server shutting down: retry later
+                type_ = "server_shutting_down" if isinstance(e, DrainingError) else "server_overloaded"
+                raise APIError(503, str(e), type_, headers={"Retry-After": RETRY_AFTER_S}) from e
             raise self._bad_request(e) from e
         return admitted
 
@@ -108,6 +175,9 @@ class OpenAIServing:
         async for out in self.engine.stream(request_id, stream):
             if out.finished:
                 self.metrics.record_finished(out)
+                if self.log_requests:
+                    request_logger.info("request %s finished: outputs %r, finish reasons %s", request_id,
+                                        [c.text for c in out.outputs], [c.finish_reason for c in out.outputs])
             yield out
 
     async def _merged_outputs(self, admitted: Admitted) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -137,7 +207,7 @@ class OpenAIServing:
                 t.cancel()
 
     async def _run(self, admitted: Admitted, request: Request) -> list[RequestOutput]:
-        """Every admitted request to its end; a client that goes away aborts them all."""
+        """Every admitted request to its end; a client that goes away aborts them all (ClientDisconnected)."""
         async def finals():
             last = {}
             async for i, out in self._merged_outputs(admitted):
@@ -149,12 +219,19 @@ class OpenAIServing:
             while not task.done():
                 await asyncio.wait({task}, timeout=self.DISCONNECT_POLL_S)
                 if not task.done() and await request.is_disconnected():
-                    raise asyncio.CancelledError
-            return task.result()
+                    raise ClientDisconnected
+            try:
+                outs = task.result()
+            except (APIError, EngineDeadError):
+                raise
+            except Exception as e:  # noqa: BLE001 - a failed step (the engine logged it): a 500 that says little
+                raise APIError(500, public_message(e), "server_error") from e
+            record_usage(request, usage(outs))
+            return outs
         finally:
             task.cancel()
 
-    def _stream(self, header: dict, admitted: Admitted, body,
+    def _stream(self, request: Request, header: dict, admitted: Admitted, body,
                 choices: Callable[[int, RequestOutput], Iterable[dict]], first: Iterable[dict] = ()
                 ) -> StreamingResponse:
         """Server-sent events: a chunk (header + one choice) for each of `first`, then for each choice that
@@ -164,21 +241,22 @@ class OpenAIServing:
 
         async def events():
             outputs = self._merged_outputs(admitted)
+            latest = {}  # each prompt's last output: its final one once the loop ends
             try:
                 for choice in first:
                     yield sse(header | {"choices": [choice]})
-                finals = {}
                 async for i, out in outputs:
                     for choice in choices(i, out):
                         yield sse(header | {"choices": [choice]})
-                    if out.finished:
-                        finals[i] = out
+                    latest[i] = out
                 if include_usage:
-                    yield sse(header | {"choices": [], "usage": usage(list(finals.values()))})
+                    yield sse(header | {"choices": [], "usage": usage(list(latest.values()))})
                 yield "data: [DONE]\n\n"
             except Exception as e:  # noqa: BLE001 - an engine failure mid-stream: the status is already sent
-                yield sse(error_body(str(e), "server_error"))
+                yield sse(error_body(public_message(e), "server_error"))
             finally:
+                if latest:  # so far, if the client left
+                    record_usage(request, usage(list(latest.values())))
                 await outputs.aclose()  # client gone: abort the requests now, not when the generator is collected
 
         return StreamingResponse(events(), media_type="text/event-stream")

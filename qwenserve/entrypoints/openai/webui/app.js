@@ -1,0 +1,459 @@
+// qwenserve's web UI: a chat playground and a live dashboard of /metrics. Plain JS, no libraries, no build
+// step: the server ships these files as they are.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const KEY_STORE = "qwenserve.apiKey";
+
+// ---------------------------------------------------------------- API access
+
+// Every call carries the key when one is set, so the UI works against a server started with --api-key.
+function authHeaders(extra = {}) {
+  const key = localStorage.getItem(KEY_STORE) || "";
+  return key ? { ...extra, Authorization: `Bearer ${key}` } : extra;
+}
+
+async function api(path, options = {}) {
+  const resp = await fetch(path, { ...options, headers: authHeaders(options.headers) });
+  if (resp.status === 401) {
+    showNotice("This server needs an API key: enter it at the top right and press Save.");
+  }
+  return resp;
+}
+
+async function errorText(resp) {
+  try {
+    const body = await resp.json();
+    return body.error?.message || JSON.stringify(body);  // the server's errors are OpenAI-shaped
+  } catch {
+    return `${resp.status} ${resp.statusText}`;
+  }
+}
+
+function showNotice(text) {
+  $("notice").textContent = text;
+  $("notice").hidden = !text;
+}
+
+// ---------------------------------------------------------------- tabs and the key
+
+function showView(name) {
+  for (const tab of document.querySelectorAll(".tab")) tab.classList.toggle("active", tab.dataset.view === name);
+  $("view-chat").hidden = name !== "chat";
+  $("view-dashboard").hidden = name !== "dashboard";
+  if (name === "dashboard") startPolling();
+}
+
+for (const tab of document.querySelectorAll(".tab")) {
+  tab.addEventListener("click", () => { location.hash = tab.dataset.view; });
+}
+window.addEventListener("hashchange", () => showView(location.hash === "#dashboard" ? "dashboard" : "chat"));
+
+$("api-key").value = localStorage.getItem(KEY_STORE) || "";
+$("key-form").addEventListener("submit", (e) => {
+  e.preventDefault();
+  localStorage.setItem(KEY_STORE, $("api-key").value.trim());
+  loadModels();
+});
+
+async function loadModels() {
+  let resp;
+  try {
+    resp = await api("/v1/models");
+  } catch (e) {
+    showNotice(`Cannot reach the server: ${e.message}`);
+    return;
+  }
+  if (!resp.ok) {
+    if (resp.status !== 401) showNotice(`GET /v1/models: ${await errorText(resp)}`);
+    return;
+  }
+  showNotice("");
+  const select = $("model");
+  const previous = select.value;
+  const ids = (await resp.json()).data.map((m) => m.id);
+  select.replaceChildren(...ids.map((id) => new Option(id, id)));
+  if (ids.includes(previous)) select.value = previous;
+}
+
+// ---------------------------------------------------------------- chat
+
+const history = [];       // this conversation's messages, without the system prompt (it is read at each send)
+let controller = null;    // the AbortController of the answer being streamed
+let conversation = 0;     // bumped by "New conversation": an answer of an older one must not land in the new one
+
+function addMessage(role, text) {
+  const div = document.createElement("div");
+  div.className = `msg ${role}`;
+  const content = document.createElement("span");
+  content.className = "content";
+  content.textContent = text;
+  div.append(content);
+  $("messages").append(div);
+  div.scrollIntoView({ block: "end" });
+  return div;
+}
+
+function setBusy(busy) {
+  $("send").disabled = busy;
+  $("stop").disabled = !busy;
+}
+
+function numberField(id) {
+  const value = $(id).value.trim();
+  return value === "" ? undefined : Number(value);  // empty: the server's default
+}
+
+// Server-sent events from a fetch() body: yields each `data:` payload parsed as JSON, until [DONE].
+async function* sseEvents(body) {
+  const reader = body.pipeThrough(new TextDecoderStream()).getReader();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buffer += value.replace(/\r/g, "");
+    let end;
+    while ((end = buffer.indexOf("\n\n")) >= 0) {
+      const block = buffer.slice(0, end);
+      buffer = buffer.slice(end + 2);
+      const data = block.split("\n").filter((l) => l.startsWith("data:"))
+        .map((l) => l.slice(5).replace(/^ /, "")).join("\n");
+      if (data === "[DONE]") return;
+      if (data) yield JSON.parse(data);
+    }
+  }
+}
+
+async function send(text) {
+  history.push({ role: "user", content: text });
+  addMessage("user", text);
+  const bubble = addMessage("assistant", "");
+  const content = bubble.querySelector(".content");
+  const system = $("system").value.trim();
+  const request = {
+    model: $("model").value || undefined,
+    messages: (system ? [{ role: "system", content: system }] : []).concat(history),
+    stream: true,
+    stream_options: { include_usage: true },  // the last chunk then carries the exact token counts
+    temperature: numberField("temperature"),
+    top_p: numberField("top-p"),
+    max_tokens: numberField("max-tokens"),
+  };
+  if ($("ignore-eos").checked) request.ignore_eos = true;
+
+  controller = new AbortController();
+  const started = conversation;
+  setBusy(true);
+  const start = performance.now();
+  let first = null, chunks = 0, usage = null, finish = null, answer = "", stopped = false;
+  try {
+    const resp = await api("/v1/chat/completions", {
+      method: "POST", headers: { "Content-Type": "application/json" },
+      body: JSON.stringify(request), signal: controller.signal,
+    });
+    if (!resp.ok) throw new Error(await errorText(resp));
+    for await (const event of sseEvents(resp.body)) {
+      if (event.error) throw new Error(event.error.message);  // an engine failure after the headers went out
+      if (event.usage) usage = event.usage;
+      const choice = event.choices?.[0];
+      if (choice?.finish_reason) finish = choice.finish_reason;
+      if (choice?.delta?.content) {
+        first ??= performance.now();
+        chunks += 1;
+        answer += choice.delta.content;
+        content.textContent = answer;
+        bubble.dataset.chunks = chunks;
+        bubble.scrollIntoView({ block: "end" });
+      }
+    }
+  } catch (e) {
+    if (e.name === "AbortError") {
+      stopped = true;  // Stop pressed: the server sees the connection close and aborts the request
+    } else {
+      bubble.classList.add("error");
+      content.textContent = answer ? `${answer}\n\n[error: ${e.message}]` : `Error: ${e.message}`;
+    }
+  } finally {
+    controller = null;
+    setBusy(false);
+  }
+  const end = performance.now();
+  if (started !== conversation) return;
+  if (answer) history.push({ role: "assistant", content: answer });
+  else history.pop();  // nothing came back: the user can send the message again
+  if (stopped && !answer) content.textContent = "(stopped before the first token)";
+  if (first !== null) showStats(bubble, start, first, end, usage, chunks, stopped ? "stopped" : finish);
+}
+
+// TTFT is the browser's wait for the first text; tok/s counts the tokens after the first over the time after
+// it (the decode speed). Without usage (a stopped answer) the streamed chunks stand in for tokens.
+function showStats(bubble, start, first, end, usage, chunks, finish) {
+  const tokens = usage ? usage.completion_tokens : chunks;
+  const approx = usage ? "" : "~";
+  const rate = tokens > 1 && end > first ? (tokens - 1) / ((end - first) / 1000) : null;
+  const stats = document.createElement("span");
+  stats.className = "stats";
+  stats.textContent = [
+    `TTFT ${Math.round(first - start)} ms`,
+    rate === null ? "– tok/s" : `${approx}${rate.toFixed(1)} tok/s`,
+    `${approx}${tokens} tokens`,
+    finish ? `finish: ${finish}` : "",
+  ].filter(Boolean).join(" · ");
+  bubble.append(stats);
+}
+
+$("chat-form").addEventListener("submit", (e) => {
+  e.preventDefault();
+  const text = $("prompt").value.trim();
+  if (!text || controller) return;
+  $("prompt").value = "";
+  send(text);
+});
+$("prompt").addEventListener("keydown", (e) => {
+  if (e.key === "Enter" && !e.shiftKey) {
+    e.preventDefault();
+    $("chat-form").requestSubmit();
+  }
+});
+$("stop").addEventListener("click", () => controller?.abort());
+$("clear").addEventListener("click", () => {
+  controller?.abort();
+  conversation += 1;
+  history.length = 0;
+  $("messages").replaceChildren();
+});
+
+// ---------------------------------------------------------------- dashboard: Prometheus text
+
+// name -> [{labels, value}] for every sample line of the exposition text.
+function parseMetrics(text) {
+  const metrics = new Map();
+  for (const line of text.split("\n")) {
+    if (!line || line.startsWith("#")) continue;
+    const m = line.match(/^([a-zA-Z_:][\w:]*)(?:\{(.*)\})?\s+(\S+)/);
+    if (!m) continue;
+    const labels = {};
+    for (const [, k, v] of (m[2] || "").matchAll(/(\w+)="((?:[^"\\]|\\.)*)"/g)) labels[k] = v;
+    if (!metrics.has(m[1])) metrics.set(m[1], []);
+    metrics.get(m[1]).push({ labels, value: parseValue(m[3]) });
+  }
+  return metrics;
+}
+
+function parseValue(s) {
+  if (s === "+Inf") return Infinity;
+  if (s === "-Inf") return -Infinity;
+  return Number(s);
+}
+
+// Sum over label sets: with data-parallel replicas a series comes once per `replica`.
+function sum(metrics, name) {
+  const samples = metrics.get(name);
+  return samples ? samples.reduce((a, s) => a + s.value, 0) : null;
+}
+
+// Fractions (KV usage, hit rate) average over replicas instead: a sum of fractions is not a fraction.
+function mean(metrics, name) {
+  const samples = metrics.get(name);
+  return samples?.length ? sum(metrics, name) / samples.length : null;
+}
+
+// A histogram's cumulative buckets as [[upper bound, count]], sorted, summed over the other labels.
+function buckets(metrics, name) {
+  const byBound = new Map();
+  for (const s of metrics.get(`${name}_bucket`) || []) {
+    const le = parseValue(s.labels.le);
+    byBound.set(le, (byBound.get(le) || 0) + s.value);
+  }
+  return [...byBound.entries()].sort((a, b) => a[0] - b[0]);
+}
+
+// Prometheus's histogram_quantile: linear interpolation inside the bucket the rank falls in.
+function quantile(q, cumulative) {
+  if (!cumulative.length) return null;
+  const total = cumulative[cumulative.length - 1][1];
+  if (!(total > 0)) return null;
+  const rank = q * total;
+  let lower = 0, below = 0;
+  for (const [upper, count] of cumulative) {
+    if (count >= rank) {
+      if (upper === Infinity) return lower;  // past the last finite bound: the best estimate is that bound
+      return lower + (upper - lower) * (count > below ? (rank - below) / (count - below) : 0);
+    }
+    lower = upper;
+    below = count;
+  }
+  return lower;
+}
+
+// ---------------------------------------------------------------- dashboard: polling and series
+
+const SPAN_S = 120;          // the charts show the last two minutes
+const RATE_WINDOW_S = 10;    // tokens/s over this window (the counters move when requests finish)
+const LATENCY_WINDOW_S = 60; // TTFT/TPOT percentiles over the requests finished in this window
+const samples = [];          // {t: seconds, m: parsed metrics}
+let polling = false;
+
+function startPolling() {
+  if (polling) return;
+  polling = true;
+  poll();
+}
+
+async function poll() {
+  try {
+    const resp = await api("/metrics");
+    if (resp.ok) {
+      samples.push({ t: performance.now() / 1000, m: parseMetrics(await resp.text()) });
+      const keep = samples[samples.length - 1].t - SPAN_S - LATENCY_WINDOW_S;  // windows reach back this far
+      while (samples[0].t < keep) samples.shift();
+      $("dash-status").textContent = `updated ${new Date().toLocaleTimeString()}`;
+      drawDashboard();
+    } else {
+      $("dash-status").textContent = resp.status === 401 ? "401: the server needs an API key" : await errorText(resp);
+    }
+  } catch (e) {
+    $("dash-status").textContent = `cannot reach the server: ${e.message}`;
+  }
+  if (!$("view-dashboard").hidden) setTimeout(poll, 1000);
+  else polling = false;  // resumes when the tab is shown again
+}
+
+// The sample nearest to `seconds` before sample i (the oldest one we have when history is shorter).
+function earlier(i, seconds) {
+  let j = i;
+  while (j > 0 && samples[j - 1].t >= samples[i].t - seconds) j--;
+  return j < i ? samples[j] : (i > 0 ? samples[i - 1] : null);
+}
+
+function rate(i, name) {
+  const now = samples[i], then = earlier(i, RATE_WINDOW_S);
+  if (!then) return null;
+  const a = sum(then.m, name), b = sum(now.m, name);
+  if (a === null || b === null || b < a) return null;  // b < a: the server restarted
+  return (b - a) / (now.t - then.t);
+}
+
+// Percentiles in ms of the observations made between the sample LATENCY_WINDOW_S ago and sample i.
+function percentiles(i, name) {
+  const then = earlier(i, LATENCY_WINDOW_S);
+  if (!then) return [null, null, null];
+  const now = buckets(samples[i].m, name);
+  const old = new Map(buckets(then.m, name));
+  const delta = now.map(([le, c]) => [le, c - (old.get(le) || 0)]);
+  return [0.5, 0.9, 0.99].map((q) => { const v = quantile(q, delta); return v === null ? null : v * 1000; });
+}
+
+const CHARTS = [
+  { id: "chart-requests", series: [
+    ["running", "#2f6fdf", (i) => sum(samples[i].m, "qwenserve_num_requests_running")],
+    ["waiting", "#e0742b", (i) => sum(samples[i].m, "qwenserve_num_requests_waiting")]] },
+  { id: "chart-kv", max: 100, series: [
+    ["KV blocks in use", "#7a3fd1", (i) => pct(mean(samples[i].m, "qwenserve_kv_cache_usage_perc"))]] },
+  { id: "chart-prefix", max: 100, series: [
+    ["hit rate", "#1c9a5b", (i) => pct(mean(samples[i].m, "qwenserve_prefix_cache_hit_rate"))]] },
+  { id: "chart-tokens", series: [
+    ["generated", "#2f6fdf", (i) => rate(i, "qwenserve_generation_tokens_total")],
+    ["prompt", "#e0742b", (i) => rate(i, "qwenserve_prompt_tokens_total")]] },
+  { id: "chart-ttft", latency: "qwenserve_time_to_first_token_seconds" },
+  { id: "chart-tpot", latency: "qwenserve_time_per_output_token_seconds" },
+];
+for (const chart of CHARTS) {  // the latency charts: one line per percentile
+  if (chart.latency) {
+    chart.series = [["p50", "#1c9a5b"], ["p90", "#e0a020"], ["p99", "#d23b3b"]]
+      .map(([name, color], k) => [name, color, (i) => percentiles(i, chart.latency)[k]]);
+  }
+}
+
+function pct(fraction) { return fraction === null ? null : 100 * fraction; }
+
+function drawDashboard() {
+  const newest = samples[samples.length - 1].t;
+  const first = samples.findIndex((s) => s.t >= newest - SPAN_S);
+  for (const chart of CHARTS) {
+    const series = chart.series.map(([name, color, value]) => ({
+      name, color, points: samples.slice(first).map((s, k) => [s.t - newest, value(first + k)]),
+    }));
+    drawChart($(chart.id), series, chart.max);
+  }
+}
+
+// ---------------------------------------------------------------- dashboard: drawing
+
+function niceMax(v) {  // the axis top: 1, 2 or 5 times a power of ten
+  if (!(v > 0)) return 1;
+  const p = 10 ** Math.floor(Math.log10(v));
+  return [1, 2, 5, 10].map((m) => m * p).find((m) => m >= v);
+}
+
+function format(v) {
+  if (v === null || v === undefined || Number.isNaN(v)) return "–";
+  if (Number.isInteger(v)) return String(v);
+  return Math.abs(v) >= 100 ? v.toFixed(0) : Math.abs(v) >= 10 ? v.toFixed(1) : v.toFixed(2);
+}
+
+// Lines of [x = seconds before now, y] on a canvas; a gap in time or a null value breaks the line.
+function drawChart(canvas, series, fixedMax) {
+  const dpr = window.devicePixelRatio || 1;
+  const width = canvas.clientWidth, height = canvas.clientHeight;
+  canvas.width = width * dpr;
+  canvas.height = height * dpr;
+  const ctx = canvas.getContext("2d");
+  ctx.scale(dpr, dpr);
+  const left = 44, right = 8, top = 8, bottom = 20;
+  const values = series.flatMap((s) => s.points.map((p) => p[1])).filter((v) => v !== null && Number.isFinite(v));
+  const yMax = fixedMax ?? niceMax(Math.max(0, ...values));
+  const x = (t) => left + (width - left - right) * (1 + t / SPAN_S);
+  const y = (v) => top + (height - top - bottom) * (1 - Math.min(v, yMax) / yMax);
+
+  ctx.font = "11px system-ui, sans-serif";
+  ctx.fillStyle = "#667";
+  ctx.strokeStyle = "#e3e5ea";
+  ctx.lineWidth = 1;
+  for (let k = 0; k <= 4; k++) {  // horizontal grid with its values
+    const v = (yMax * k) / 4;
+    ctx.beginPath();
+    ctx.moveTo(left, y(v));
+    ctx.lineTo(width - right, y(v));
+    ctx.stroke();
+    ctx.fillText(format(v), 4, y(v) + 4);
+  }
+  ctx.fillText(`-${SPAN_S} s`, left, height - 5);
+  ctx.fillText("now", width - right - 22, height - 5);
+
+  let drawn = 0;
+  ctx.lineWidth = 2;
+  for (const s of series) {
+    ctx.strokeStyle = ctx.fillStyle = s.color;
+    ctx.beginPath();
+    let previous = null;
+    for (const [t, v] of s.points) {
+      if (v === null || !Number.isFinite(v)) { previous = null; continue; }
+      if (previous === null || t - previous > 3) {
+        ctx.moveTo(x(t), y(v));
+        ctx.fillRect(x(t) - 1.5, y(v) - 1.5, 3, 3);  // a lone point still shows
+      } else {
+        ctx.lineTo(x(t), y(v));
+      }
+      previous = t;
+      drawn += 1;
+    }
+    ctx.stroke();
+  }
+  canvas.dataset.points = drawn;  // for tests and curious readers: how many points are on the chart
+
+  const legend = canvas.nextElementSibling;
+  legend.replaceChildren(...series.flatMap((s, k) => {
+    const item = document.createElement("span");
+    const swatch = document.createElement("i");
+    swatch.style.background = s.color;
+    const last = [...s.points].reverse().find((p) => p[1] !== null);
+    item.append(swatch, `${s.name} ${format(last ? last[1] : null)}`);
+    return k ? [" ", item] : [item];  // a space between items: the legend reads (and copies) as text
+  }));
+}
+
+// ---------------------------------------------------------------- start
+
+showView(location.hash === "#dashboard" ? "dashboard" : "chat");
+loadModels();

@@ -1,0 +1,277 @@
+"""The web UI (/) in a real browser: Debian's headless Chromium driven by selenium through the system chromedriver
+(scripts/ensure_browser.sh installs both), against live servers on a tiny random model. Each test saves a
+screenshot into the directory it prints ($QWENSERVE_SCREENSHOTS, or a pytest temporary directory)."""
+import os
+import re
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from qwenserve.config.engine_config import EngineConfig
+from qwenserve.engine.async_engine import AsyncLLMEngine
+from qwenserve.engine.llm_engine import LLMEngine
+from qwenserve.entrypoints.openai.api_server import build_app
+
+from helpers import live_server, save_hf_dir, tiny_hf_model
+
+KEY = "ui-test-key"
+WAIT_S = 30
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """One engine behind two apps: an open one and one that needs the API key. The context is long enough
+    for an answer that is still streaming when the test presses Stop."""
+    path = save_hf_dir(tiny_hf_model(seed=61, max_position_embeddings=4096), str(tmp_path_factory.mktemp("ui")))
+    engine = AsyncLLMEngine(LLMEngine(EngineConfig.from_kwargs(model=path, dtype="float32", kv_cache_memory="8MiB")))
+    with live_server(build_app(engine, ["tiny", "tiny-b"])) as open_url, \
+            live_server(build_app(engine, ["tiny"], api_key=KEY)) as keyed_url:
+        yield open_url, keyed_url
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def driver():
+    missing = [exe for exe in ("chromium", "chromedriver") if shutil.which(exe) is None]
+    if missing:  # fail, not skip: CI must run these tests
+        pytest.fail(f"{' and '.join(missing)} not found: the web UI tests need Debian's chromium and chromium-driver "
+                    "(bash scripts/ensure_browser.sh, run by the set-up, installs them)")
+    try:
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+    except ImportError:
+        pytest.fail("selenium is not installed: it comes with the `test` extra (scripts/ensure_venv.sh installs it)")
+
+    options = webdriver.ChromeOptions()
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # the page's console, for screenshot()
+    options.binary_location = shutil.which("chromium")
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                "--window-size=1280,900", "--disable-extensions"):
+        options.add_argument(arg)
+    # the system chromedriver, by path: Selenium Manager would try to download one (no internet here)
+    d = webdriver.Chrome(service=Service(executable_path=shutil.which("chromedriver")), options=options)
+    yield d
+    d.quit()
+
+
+@pytest.fixture(scope="module")
+def shots(tmp_path_factory) -> Path:
+    path = Path(os.environ.get("QWENSERVE_SCREENSHOTS") or tmp_path_factory.mktemp("web_ui_screenshots"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def screenshot(driver, shots: Path, name: str, capsys) -> None:
+    """Saves the page as shots/name.png, prints where, and checks that the page has thrown no JavaScript error
+    since the last call (the console's network lines, such as an expected 401, are not errors of the page)."""
+    path = shots / f"{name}.png"
+    assert driver.save_screenshot(str(path)), f"could not save {path}"
+    with capsys.disabled():  # shown in the test output even when pytest captures it
+        print(f"\n[web UI screenshot] {path}")
+    errors = [e["message"] for e in driver.get_log("browser") if e["source"] == "javascript"]
+    assert not errors, errors
+
+
+def wait(driver, condition, what: str, timeout: float = WAIT_S):
+    from selenium.webdriver.support.ui import WebDriverWait
+    return WebDriverWait(driver, timeout, poll_frequency=0.05).until(lambda d: condition(d), what)
+
+
+def by_css(driver, selector):
+    from selenium.webdriver.common.by import By
+    return driver.find_elements(By.CSS_SELECTOR, selector)
+
+
+def open_page(driver, url: str, key: str = "") -> None:
+    """A fresh page with `key` stored as the UI keeps it."""
+    driver.get(url + "/")
+    driver.execute_script("localStorage.clear(); if (arguments[0]) localStorage.setItem('qwenserve.apiKey', "
+                          "arguments[0]);", key)
+    driver.get(url + "/")
+
+
+def fill(driver, field_id: str, value) -> None:
+    el = by_css(driver, f"#{field_id}")[0]
+    el.clear()
+    el.send_keys(str(value))
+
+
+def model_options(driver) -> list[str]:
+    return [o.get_attribute("value") for o in by_css(driver, "#model option")]
+
+
+def send_message(driver, text: str) -> None:
+    from selenium.webdriver.common.keys import Keys
+    by_css(driver, "#prompt")[0].send_keys(text, Keys.ENTER)
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + " ") or line.startswith(name + "{"))
+
+
+def test_chat_streams_the_answer_with_ttft_and_speed(servers, driver, shots, capsys):
+    url = servers[0]
+    open_page(driver, url)
+    wait(driver, lambda d: model_options(d) == ["tiny", "tiny-b"], "the model list from /v1/models")
+    fill(driver, "system", "You answer briefly.")
+    fill(driver, "temperature", 0)
+    fill(driver, "max-tokens", 150)
+    by_css(driver, "#ignore-eos")[0].click()
+    # record the answer's length at every change the page makes to it
+    driver.execute_script("""
+        window.lengths = [];
+        new MutationObserver(() => {
+          const el = document.querySelector('.msg.assistant .content');
+          if (el) window.lengths.push(el.textContent.length);
+        }).observe(document.getElementById('messages'), {subtree: true, childList: true, characterData: true});""")
+    send_message(driver, "hello there")
+    wait(driver, lambda d: by_css(d, ".msg.assistant .stats"), "the answer's stats line")
+    stats = by_css(driver, ".msg.assistant .stats")[0].text
+    answer = driver.execute_script("return document.querySelector('.msg.assistant .content').textContent")
+    lengths = driver.execute_script("return window.lengths")
+    chunks = int(by_css(driver, ".msg.assistant")[0].get_attribute("data-chunks"))
+    screenshot(driver, shots, "chat_streamed", capsys)
+
+    assert "TTFT" in stats and "tok/s" in stats and "150 tokens" in stats and "finish: length" in stats, stats
+    assert "– tok/s" not in stats
+    growing = [n for n in lengths if n > 0]
+    assert chunks > 1 and len(set(growing)) >= 3 and growing == sorted(growing), (chunks, lengths)
+    # the page put the streamed pieces together right, and sent the system prompt and the settings
+    full = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+        "model": "tiny", "max_tokens": 150, "temperature": 0, "ignore_eos": True,
+        "messages": [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "hello there"}],
+    }).json()["choices"][0]["message"]["content"]
+    assert answer == full
+
+
+def test_stop_aborts_the_request_and_metrics_count_it(servers, driver, shots, capsys):
+    url = servers[0]
+    open_page(driver, url)
+    wait(driver, lambda d: model_options(d), "the model list")
+    aborted = metric(url, "qwenserve_num_aborted_requests_total")
+    fill(driver, "max-tokens", 3800)  # far more than the time it takes to press Stop
+    by_css(driver, "#ignore-eos")[0].click()
+    send_message(driver, "tell me a long story")
+    wait(driver, lambda d: int(d.execute_script(
+        "return document.querySelector('.msg.assistant')?.dataset.chunks || 0")) >= 3, "the answer streaming")
+    by_css(driver, "#stop")[0].click()
+    wait(driver, lambda d: by_css(d, ".msg.assistant .stats"), "the stopped answer's stats")
+    stats = by_css(driver, ".msg.assistant .stats")[0].text
+    assert "finish: stopped" in stats and "TTFT" in stats, stats
+    assert not by_css(driver, "#send")[0].get_attribute("disabled")
+    deadline = time.time() + 10
+    while metric(url, "qwenserve_num_aborted_requests_total") <= aborted and time.time() < deadline:
+        time.sleep(0.1)
+    screenshot(driver, shots, "chat_stopped", capsys)
+    assert metric(url, "qwenserve_num_aborted_requests_total") == aborted + 1
+    assert metric(url, "qwenserve_num_requests_running") == 0
+
+
+def _traffic(url: str, seconds: float) -> None:
+    """Requests sharing a long prefix (so the prefix cache hits), from four clients at once."""
+    prefix = "You are a careful assistant who answers questions about the weather in many cities. " * 2
+    end = time.time() + seconds
+
+    def client(k: int):
+        with httpx.Client(timeout=60) as c:
+            i = 0
+            while time.time() < end:
+                c.post(url + "/v1/chat/completions", json={
+                    "messages": [{"role": "system", "content": prefix}, {"role": "user", "content": f"city {k} {i}"}],
+                    "max_tokens": 40, "ignore_eos": True, "temperature": 0})
+                i += 1
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def test_dashboard_draws_live_charts(servers, driver, shots, capsys):
+    url = servers[0]
+    open_page(driver, url)
+    driver.get(url + "/#dashboard")
+    wait(driver, lambda d: "updated" in by_css(d, "#dash-status")[0].text, "the first /metrics poll")
+    traffic = threading.Thread(target=_traffic, args=(url, 4.0))
+    traffic.start()
+    canvases = [c.get_attribute("id") for c in by_css(driver, "canvas")]
+    assert len(canvases) == 6
+    try:
+        wait(driver, lambda d: all(int(c.get_attribute("data-points") or 0) >= 2 for c in by_css(d, "canvas")),
+             "points on every chart")
+    finally:
+        traffic.join()
+    time.sleep(1.5)  # one more poll after the traffic, so the charts show it whole
+    screenshot(driver, shots, "dashboard", capsys)
+    # a line was drawn in colour on every chart (the grid and labels are grey)
+    coloured = driver.execute_script("""
+        return [...document.querySelectorAll('canvas')].map((c) => {
+          const px = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+          let n = 0;
+          for (let i = 0; i < px.length; i += 4) {
+            const rgb = [px[i], px[i + 1], px[i + 2]];
+            if (px[i + 3] > 0 && Math.max(...rgb) - Math.min(...rgb) > 80) n++;
+          }
+          return n;
+        });""")
+    assert all(n > 20 for n in coloured), dict(zip(canvases, coloured))
+    legends = {c: by_css(driver, f"#{c} + .legend")[0].text for c in canvases}
+    assert "p99" in legends["chart-ttft"] and "p50" in legends["chart-tpot"], legends
+    # generated tokens per second, from the counters; the shared prefix found in the cache
+    assert float(re.search(r"generated ([\d.]+)", legends["chart-tokens"])[1]) > 0, legends
+    assert float(re.search(r"hit rate ([\d.]+)", legends["chart-prefix"])[1]) > 0, legends
+
+
+def test_dashboard_sums_replicas_and_reads_histograms(servers, driver):
+    """The page's own parser on exposition text with a `replica` label (data-parallel replicas): counts add up,
+    fractions average, and percentiles follow Prometheus's histogram_quantile."""
+    open_page(driver, servers[0])
+    text = "\n".join([
+        "# TYPE qwenserve_num_requests_running gauge",
+        'qwenserve_num_requests_running{replica="0"} 3.0', 'qwenserve_num_requests_running{replica="1"} 2.0',
+        'qwenserve_kv_cache_usage_perc{replica="0"} 0.5', 'qwenserve_kv_cache_usage_perc{replica="1"} 0.25',
+        'h_bucket{le="0.1",replica="0"} 1.0', 'h_bucket{le="0.5",replica="0"} 3.0',
+        'h_bucket{le="1.0",replica="0"} 4.0', 'h_bucket{le="+Inf",replica="0"} 5.0',
+        'h_bucket{le="0.1",replica="1"} 1.0', 'h_bucket{le="0.5",replica="1"} 3.0',
+        'h_bucket{le="1.0",replica="1"} 4.0', 'h_bucket{le="+Inf",replica="1"} 5.0',
+    ])
+    got = driver.execute_script("""
+        const m = parseMetrics(arguments[0]);
+        const b = buckets(m, 'h');
+        return [sum(m, 'qwenserve_num_requests_running'), mean(m, 'qwenserve_kv_cache_usage_perc'),
+                quantile(0.5, b), quantile(0.9, b), sum(m, 'absent')];""", text)
+    assert got[:2] == [5, 0.375] and got[4] is None
+    assert got[2] == pytest.approx(0.4) and got[3] == pytest.approx(1.0)  # 0.1 + 0.4 * 3/4; past 1.0: its bound
+
+
+def test_api_key_asked_for_then_used(servers, driver, shots, capsys):
+    url = servers[1]
+    # the page itself is open; the API is not
+    assert httpx.get(url + "/").status_code == 200 and httpx.get(url + "/ui/app.js").status_code == 200
+    assert httpx.get(url + "/v1/models").status_code == 401
+    open_page(driver, url)
+    wait(driver, lambda d: d.find_element("id", "notice").is_displayed(), "the notice asking for the key")
+    assert "API key" in by_css(driver, "#notice")[0].text and model_options(driver) == []
+    send_message(driver, "hi")
+    wait(driver, lambda d: by_css(d, ".msg.assistant.error"), "the 401 shown in the chat")
+    assert "API key" in by_css(driver, ".msg.assistant.error")[0].text
+    screenshot(driver, shots, "api_key_needed", capsys)
+
+    fill(driver, "api-key", KEY)
+    by_css(driver, "#save-key")[0].click()
+    wait(driver, lambda d: model_options(d) == ["tiny"], "the model list, with the key")
+    assert not driver.find_element("id", "notice").is_displayed()
+    assert driver.execute_script("return localStorage.getItem('qwenserve.apiKey')") == KEY
+    fill(driver, "max-tokens", 20)
+    send_message(driver, "hi again")
+    wait(driver, lambda d: len(by_css(d, ".msg.assistant .stats")) == 1, "an answer, with the key")
+    assert by_css(driver, ".msg.assistant:not(.error) .content")[0].text
+    driver.get(url + "/#dashboard")  # the dashboard's /metrics calls carry the key too
+    wait(driver, lambda d: "updated" in by_css(d, "#dash-status")[0].text, "a /metrics poll with the key")
+    screenshot(driver, shots, "api_key_entered", capsys)
