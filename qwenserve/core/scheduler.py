@@ -52,7 +52,7 @@ class Scheduler:
         out = SchedulerOutput(finished_seq_ids=self._finished_ids)
         budget = self.max_num_batched_tokens
         seats = self._batch_seats()
-        preempted = False
+        memory_tight = False
         i = 0
         while i < len(self.running) and budget > 0 and seats > 0:
             seq = self.running[i]
@@ -60,19 +60,25 @@ class Scheduler:
                 i += 1
                 continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            scheduled = True
             while not self.kv.allocate(seq, n):
+                memory_tight = True
                 victim = self._preemption_victim(i)
+                if victim is None:  # only newer sequences could give way, and they are in flight: wait for them
+                    scheduled = False
+                    i += 1
+                    break
                 self.running.remove(victim)
                 self._preempt(victim)
-                preempted = True
                 if victim is seq:
+                    scheduled = False
                     break
-            else:
+            if scheduled:
                 self._add_to_batch(out, seq, n)
                 budget -= n
                 seats -= 1
                 i += 1
-        if preempted:
+        if memory_tight:
             return out  # no admissions while memory is this tight
         while self.waiting and budget > 0 and seats > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -98,13 +104,16 @@ class Scheduler:
         live = len(self.running) + len(self.waiting)
         return max(1, math.ceil(live / self.max_concurrent_batches))
 
-    def _preemption_victim(self, i: int) -> Sequence:
-        """The newest running sequence not scheduled this step (those sit before i) nor in flight; failing
-        that, running[i] itself."""
-        for seq in reversed(self.running[i + 1:]):
+    def _preemption_victim(self, i: int) -> Sequence | None:
+        """The newest running sequence not scheduled this step (those sit before i) nor in flight; running[i]
+        itself if it is the newest; None if only newer sequences in flight could give way. Preempting running[i]
+        then instead would invert priority: two sequences that cannot fit together would preempt each other in
+        turn, each losing its progress, forever (found with two steps in flight)."""
+        newer = self.running[i + 1:]
+        for seq in reversed(newer):
             if seq.seq_id not in self.in_flight:
                 return seq
-        return self.running[i]
+        return None if newer else self.running[i]
 
     def _add_to_batch(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
         sent = self._blocks_sent.get(seq.seq_id)
