@@ -111,7 +111,11 @@ def test_a_dead_replica_leaves_the_pool(parallel_tiny):
         with live_server(app) as url:
             async def main():
                 load = asyncio.ensure_future(_streams(url, [PROMPTS[i % 6] for i in range(8)], max_tokens=220))
-                await asyncio.sleep(1.5)
+                # kill once replica 0 is mid-generation (a fixed sleep let a fast machine finish everything first)
+                for _ in range(3000):
+                    if any(seq.num_output_tokens >= 4 for seq in list(dp.replicas[0].scheduler.running)):
+                        break
+                    await asyncio.sleep(0.01)
                 os.kill(victim, signal.SIGKILL)
                 return await asyncio.wait_for(load, timeout=60)
             results = asyncio.run(main())
