@@ -102,11 +102,17 @@ def bench_kernels(config: EngineConfig, rows: tuple[int, ...] = ROWS) -> dict:
                 entry = {"layer": kind, "types": types, "out": out_features, "in": in_features, "M": m}
                 for name, (fn, nbytes) in {"ours": ours, **alts}.items():
                     seconds = timed(lambda: fn(x))
-                    entry[name] = {"ms": round(seconds * 1e3, 3), "GB/s": round(nbytes / seconds / 1e9, 2),
-                                   "GFLOP/s": round(2 * m * out_features * in_features / seconds / 1e9, 1)}
+                    entry[name] = {"ms": _figure(seconds * 1e3), "GB/s": _figure(nbytes / seconds / 1e9),
+                                   "GFLOP/s": _figure(2 * m * out_features * in_features / seconds / 1e9)}
                 results.append(entry)
     return {"quantization": spec.quantization, "dtype": str(spec.dtype).removeprefix("torch."),
             "read_bandwidth_GBps": round(bandwidth, 2), "threads": torch.get_num_threads(), "shapes": results}
+
+
+def _figure(value: float) -> float:
+    """Three significant digits: a fixed number of decimals turned a tiny layer's figures on a busy machine
+    into 0.0."""
+    return float(f"{value:.3g}")
 
 
 def format_table(result: dict) -> str:
