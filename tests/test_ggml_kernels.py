@@ -17,6 +17,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from qwenserve import kernels
 from qwenserve.model.loader.dequant import dequantize
+from qwenserve.model.loader.ggml_tensor import DECODE_GROUP, GGMLTensor
 
 Q = GGMLQuantizationType
 TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
@@ -168,6 +169,33 @@ def test_mm_many_rows_and_threads(ops, qtype):
     assert ((got - xq @ w.T).abs() <= 1e-4 * (xq.abs() @ w.abs().T)).all()
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_decode_layout_gives_the_same_bits(ops, qtype):
+    """The decode layout (rows in groups of 8, a block of each side by side) holds the same bytes, dequantizes to
+    the same values and gives the same products up to float summation order (its kernel sums 8 rows at once)."""
+    k = 512 if GGML_QUANT_SIZES[qtype][0] == 256 else 96
+    raw = random_blocks(qtype, 40, k, seed=int(qtype) + 5, scale=0.02)
+    flat = GGMLTensor.from_bytes(raw, qtype, (40, k))
+    grouped = flat.grouped()
+    assert grouped.group == DECODE_GROUP and grouped.nbytes == flat.nbytes and not torch.equal(grouped.raw, raw)
+    assert torch.equal(grouped.in_file_layout().raw, raw)
+    assert torch.equal(grouped.dequantize(), flat.dequantize())
+    assert torch.equal(ops.ggml_dequantize(grouped.raw, int(qtype), k, torch.float32, DECODE_GROUP),
+                       ops.ggml_dequantize(raw, int(qtype), k, torch.float32))
+    w = reference_dequant(raw, qtype, k).double()
+    for m in (1, 3, 6):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        want, got = torch.empty(m, 40), torch.empty(m, 40)
+        ops.ggml_mm(want, x, raw, int(qtype))
+        ops.ggml_mm(got, x, grouped.raw, int(qtype), DECODE_GROUP)
+        xq, _ = quantize_ref(x, qtype)
+        assert ((got.double() - want.double()).abs() <= 1e-5 * (xq.abs() @ w.abs().T)).all()
+    # 12 rows do not divide into groups of 8: they stay in the file's layout, and the kernel refuses to group them
+    assert flat.narrow(0, 0, 12).grouped().group == 1
+    with pytest.raises(RuntimeError, match="multiple of 8 rows"):
+        ops.ggml_mm(torch.empty(1, 12), torch.randn(1, k), raw[:12].contiguous(), int(qtype), DECODE_GROUP)
+
+
 def test_bad_arguments_are_rejected(ops):
     raw = random_blocks(Q.Q8_0, 4, 64, seed=1)
     with pytest.raises(RuntimeError, match="not supported"):
@@ -205,8 +233,8 @@ _SCALAR_REGISTER = """
 #include <torch/library.h>
 #include "ops.h"
 TORCH_LIBRARY(qwenserve_ggml_portable, m) {
-  m.def("ggml_dequantize(Tensor raw, int ggml_type, int cols, ScalarType dtype) -> Tensor");
-  m.def("ggml_mm(Tensor(a!) out, Tensor x, Tensor raw, int ggml_type) -> ()");
+  m.def("ggml_dequantize(Tensor raw, int ggml_type, int cols, ScalarType dtype, int group=1) -> Tensor");
+  m.def("ggml_mm(Tensor(a!) out, Tensor x, Tensor raw, int ggml_type, int group=1) -> ()");
 }
 TORCH_LIBRARY_IMPL(qwenserve_ggml_portable, CPU, m) {
   m.impl("ggml_dequantize", &qwenserve::cpu::ggml_dequantize);

@@ -33,7 +33,8 @@ def test_int8_is_per_output_channel_round_to_nearest(ops, hf_dir):
         (offset, blocks), = layer.segments
         assert isinstance(blocks, GGMLTensor) and blocks.ggml_type.name == "Q8_0" and layer.weight.numel() == 0
         weight = exact[f"{name}.weight"]
-        d = blocks.raw.view(weight.shape[0], -1, 34)[..., :2].contiguous().view(torch.float16).float().squeeze(-1)
+        raw = blocks.in_file_layout().raw  # (held in the decode layout: rows in groups of 8)
+        d = raw.view(weight.shape[0], -1, 34)[..., :2].contiguous().view(torch.float16).float().squeeze(-1)
         want_d = (weight.abs().amax(1) / 127).half().float()
         assert torch.equal(d, want_d.unsqueeze(1).expand_as(d)), "one scale per output channel"
         want = (weight / want_d[:, None]).round().clamp(-127, 127) * want_d[:, None]

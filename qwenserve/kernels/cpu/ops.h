@@ -23,7 +23,8 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
 // sampling.cpp
 at::Tensor argmax_rows(const at::Tensor& logits);
 // ggml_quants.cpp (ggml types: Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14)
-at::Tensor ggml_dequantize(const at::Tensor& raw, int64_t ggml_type, int64_t cols, at::ScalarType dtype);
-void ggml_mm(at::Tensor& out, const at::Tensor& x, const at::Tensor& raw, int64_t ggml_type);
+at::Tensor ggml_dequantize(const at::Tensor& raw, int64_t ggml_type, int64_t cols, at::ScalarType dtype,
+                           int64_t group);
+void ggml_mm(at::Tensor& out, const at::Tensor& x, const at::Tensor& raw, int64_t ggml_type, int64_t group);
 
 }  // namespace qwenserve::cpu

@@ -46,6 +46,9 @@ class Checkpoint:
     def tokenizer(self):
         raise NotImplementedError
 
+    def release_pages(self) -> None:
+        """Once the model holds its weights: let go of the memory the checkpoint's reading took, if any."""
+
 
 def open_checkpoint(model: str | None = None) -> Checkpoint:
     if model is None:
@@ -186,3 +189,6 @@ class GGUFCheckpoint(Checkpoint):
 
     def tokenizer(self):
         return tokenizer_from_gguf(self.file.metadata)
+
+    def release_pages(self) -> None:
+        self.file.release_pages()

@@ -1,5 +1,6 @@
 """A 2-D weight kept in ggml's block format, as a GGUF file stores it: each row is a run of blocks (32 or
-256 weights each, with their scales), so rows can be taken apart without decoding anything."""
+256 weights each, with their scales), so rows can be taken apart without decoding anything. Once loaded, a
+layer may hold it in the decode layout instead (`grouped`: the same bytes, ordered for the decode kernel)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,12 +10,17 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from qwenserve.model.loader.dequant import dequantize
 
+DECODE_GROUP = 8  # rows per group in the decode layout (kernels/cpu/ggml_quants.cpp, Layout)
+
 
 @dataclass(frozen=True)
 class GGMLTensor:
     raw: torch.Tensor  # uint8 [rows, row_bytes]
     ggml_type: GGMLQuantizationType
     shape: tuple[int, int]  # (rows, cols) in weights
+    # 1: the file's layout, row after row. DECODE_GROUP: rows in groups with block b of every row of a group side
+    # by side (the same bytes), which the decode kernel reads as one stream; only our kernels read it.
+    group: int = 1
 
     @classmethod
     def from_bytes(cls, raw: torch.Tensor, ggml_type: GGMLQuantizationType, shape: tuple[int, ...]) -> GGMLTensor:
@@ -25,8 +31,31 @@ class GGMLTensor:
     def nbytes(self) -> int:
         return self.raw.numel()
 
+    def grouped(self) -> GGMLTensor:
+        """The decode layout (see `group`); the file's layout when the rows do not divide into groups."""
+        rows, cols = self.shape
+        if self.group != 1 or rows % DECODE_GROUP:
+            return self
+        raw = self._blocks(DECODE_GROUP).transpose(1, 2).contiguous().view(rows, -1)
+        return GGMLTensor(raw, self.ggml_type, self.shape, DECODE_GROUP)
+
+    def in_file_layout(self) -> GGMLTensor:
+        if self.group == 1:
+            return self
+        raw = self._blocks(self.group, grouped=True).transpose(1, 2).contiguous().view(self.shape[0], -1)
+        return GGMLTensor(raw, self.ggml_type, self.shape)
+
+    def _blocks(self, group: int, grouped: bool = False) -> torch.Tensor:
+        """raw as [row groups, rows in a group, blocks in a row, block bytes] (grouped: rows and blocks swapped)."""
+        rows, cols = self.shape
+        bs, block_bytes = GGML_QUANT_SIZES[self.ggml_type]
+        inner = (cols // bs, group) if grouped else (group, cols // bs)
+        return self.raw.reshape(rows // group, *inner, block_bytes)
+
     def narrow(self, dim: int, start: int, length: int) -> GGMLTensor:
         """Rows (dim 0) freely; columns (dim 1) only on block boundaries."""
+        if self.group != 1:
+            return self.in_file_layout().narrow(dim, start, length)
         rows, cols = self.shape
         if dim == 0:
             return GGMLTensor(self.raw.narrow(0, start, length), self.ggml_type, (length, cols))
@@ -40,4 +69,7 @@ class GGMLTensor:
         return GGMLTensor(raw, self.ggml_type, (rows, length))
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if self.group != 1:
+            return self.in_file_layout().dequantize(dtype)
         return dequantize(self.raw.reshape(-1).numpy(), self.ggml_type, self.shape).to(dtype)
+

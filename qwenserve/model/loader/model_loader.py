@@ -56,6 +56,7 @@ def load_model(checkpoint: Checkpoint, dtype: torch.dtype, max_model_len: int,
                     model.model.start_layer, model.model.end_layer - 1)
     load_weights(model, checkpoint.weights(quantization.keep_types), checkpoint.naming)
     model.process_weights_after_loading()
+    checkpoint.release_pages()
     logger.info("loaded %s weights in %.1f s", checkpoint.path, time.perf_counter() - start)
     return model.eval()
 

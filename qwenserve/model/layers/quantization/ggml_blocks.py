@@ -56,7 +56,8 @@ class GGMLBlockLinearMethod(LinearMethod):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         layer.segments.sort(key=lambda s: s[0])
         if layer.ggml_ops is not None:
-            layer.segments = _merge_adjacent(layer.segments)
+            layer.segments = [(offset, segment.grouped() if isinstance(segment, GGMLTensor) else segment)
+                              for offset, segment in _merge_adjacent(layer.segments)]
             return
         weight = torch.zeros(layer.output_size, layer.input_size, dtype=layer.weight_dtype, device=layer.weight_device)
         for offset, segment in layer.segments:
@@ -80,10 +81,11 @@ class GGMLBlockLinearMethod(LinearMethod):
             if not isinstance(segment, GGMLTensor):
                 out[:, offset:offset + rows] = F.linear(x, segment)
             elif dense:
-                weight = ops.ggml_dequantize(segment.raw, int(segment.ggml_type), segment.shape[1], x.dtype)
+                weight = ops.ggml_dequantize(segment.raw, int(segment.ggml_type), segment.shape[1], x.dtype,
+                                             segment.group)
                 out[:, offset:offset + rows] = F.linear(x, weight)
             else:
-                ops.ggml_mm(out[:, offset:offset + rows], x, segment.raw, int(segment.ggml_type))
+                ops.ggml_mm(out[:, offset:offset + rows], x, segment.raw, int(segment.ggml_type), segment.group)
         if bias is not None:
             out += bias
         return out
