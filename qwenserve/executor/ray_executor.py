@@ -158,38 +158,38 @@ class RayExecutor(Executor):
 
     def _wait_all(self, refs: list, starting: bool = False) -> list:
         """The results of refs (one per rank), polling all of them so that a failed rank is noticed while the
-        others wait on it. A failure raises its cause while starting, else ExecutorDeadError."""
+        others wait on it; each result is fetched once, as it arrives. A failure raises its cause while
+        starting, else ExecutorDeadError."""
         import ray
-        pending = list(refs)
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=HEALTH_CHECK_SECONDS)
-            if any(self._error_of(ref) for ref in ready):
-                # one death often breaks a peer's collective too: let the others settle, then name every failed
-                # rank, a dead actor first (the likelier cause)
-                ray.wait(pending, num_returns=len(pending), timeout=HEALTH_CHECK_SECONDS)
-                failed = [(rank, self._error_of(ref)) for rank, ref in enumerate(refs)]
-                failed = sorted(((r, e) for r, e in failed if e is not None),
-                                key=lambda item: not isinstance(item[1], ray.exceptions.RayActorError))
-                self._dead = "; ".join(f"worker rank {rank} (Ray actor) failed: {_describe(e)}" for rank, e in failed)
-                logger.error("%s; stopping the other workers", self._dead)
-                self.shutdown(reason=self._dead)
-                cause = getattr(failed[0][1], "cause", None)
-                if starting and isinstance(cause, Exception):
-                    raise cause from None
-                raise ExecutorDeadError(self._dead) from None
-        return ray.get(refs)
+        results, errors = [None] * len(refs), {}
+        rank_of = {ref: rank for rank, ref in enumerate(refs)}
 
-    @staticmethod
-    def _error_of(ref):
-        """The Ray error a finished ref holds (None if it succeeded or is still running)."""
-        import ray
-        if not ray.wait([ref], timeout=0)[0]:
-            return None
-        try:
-            ray.get(ref)
-        except ray.exceptions.RayError as e:
-            return e
-        return None
+        def settle(ready: list) -> None:
+            for ref in ready:
+                try:
+                    results[rank_of[ref]] = ray.get(ref)
+                except ray.exceptions.RayError as e:
+                    errors[rank_of[ref]] = e
+
+        pending = list(refs)
+        while pending and not errors:
+            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=HEALTH_CHECK_SECONDS)
+            settle(ready)
+        if not errors:
+            return results
+        # one death often breaks a peer's collective too: let the others settle, then name every failed rank,
+        # a dead actor first (the likelier cause)
+        if pending:
+            settle(ray.wait(pending, num_returns=len(pending), timeout=HEALTH_CHECK_SECONDS)[0])
+        failed = sorted(errors.items(), key=lambda item: (not isinstance(item[1], ray.exceptions.RayActorError),
+                                                          item[0]))
+        self._dead = "; ".join(f"worker rank {rank} (Ray actor) failed: {_describe(e)}" for rank, e in failed)
+        logger.error("%s; stopping the other workers", self._dead)
+        self.shutdown(reason=self._dead)
+        cause = getattr(failed[0][1], "cause", None)
+        if starting and isinstance(cause, Exception):
+            raise cause from None
+        raise ExecutorDeadError(self._dead) from None
 
     def submit(self, scheduler_output: SchedulerOutput) -> None:
         import ray
