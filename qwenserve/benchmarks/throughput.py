@@ -25,9 +25,9 @@ def bench_throughput(config: EngineConfig, num_prompts: int, input_len: int, out
         prompts, outputs = varied_workload(num_prompts, vocab)
     else:
         prompts, outputs = random_prompts(num_prompts, input_len, vocab), [output_len] * num_prompts
-    # warm-up at the workload's own shape (other tokens, so nothing is found in the prefix cache): the first batch
-    # of this size pays one-off costs (heap growth, page faults, kernel set-up); measured on 2 CPUs, the first
-    # 32 x 128/64 run took twice as long as the next ones, at tp=1 and at pp=2 alike
+    # warm-up at the workload's own shape, on other tokens: the first batch of a size pays one-off costs (heap
+    # growth, page faults, kernel set-up), and with the same tokens the timed run would find its prompts in the
+    # prefix cache and skip their prefill (which once made later runs look twice as fast)
     engine_run(engine, random_prompts(len(prompts), [len(p) for p in prompts], vocab, seed=99), [4] * len(prompts))
     run = engine_run(engine, prompts, outputs)
     n_in, n_out = sum(map(len, prompts)), sum(outputs)
