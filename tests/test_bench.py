@@ -76,6 +76,36 @@ def test_bench_ppl_is_the_perplexity_of_the_served_path(tmp_path, capsys):
     assert default["tokens"] > 1000 and default["ppl"] > 1
 
 
+def test_bench_ppl_agreement_is_the_share_of_equal_top1_predictions(tmp_path, capsys):
+    """--agreement: the share of scored positions where the quantized path and the exact one predict the same
+    next token, as their own logits say (1.0 when the path is the exact one)."""
+    from qwenserve.benchmarks.ppl import DEFAULT_TEXT, windows
+    from qwenserve.worker.model_runner import full_logits
+
+    path = save_hf_dir(tiny_hf_model(seed=64), str(tmp_path / "m"))
+    text = tmp_path / "t.txt"
+    text.write_text(DEFAULT_TEXT.read_text(encoding="utf-8")[:800], encoding="utf-8")
+    results = {}
+    for quantization in ("none", "int8"):
+        assert main(["bench", "ppl", "--model", path, "--dtype", "float32", "--kv-cache-memory", "8MiB", "--file",
+                     str(text), "--context", "48", "--stride", "16", "--quantization", quantization, "--agreement",
+                     "--json"]) == 0
+        results[quantization] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert results["none"]["top1_agreement"] == 1.0
+
+    predictions = {}
+    for quantization in ("none", "int8"):
+        loaded = LoadedModel(path, dtype="float32", quantization=quantization)
+        ids = loaded.tokenizer.encode(text.read_text(encoding="utf-8"), add_special_tokens=False)
+        predictions[quantization] = [int(full_logits(loaded.model, ids[start:end])[pos - 1 - start].argmax())
+                                     for start, end, first in windows(len(ids), 48, 16) for pos in range(first, end)]
+    expected = sum(a == b for a, b in zip(predictions["int8"], predictions["none"])) / len(predictions["none"])
+    assert expected < 1.0  # int8 moves some predictions of this random model, so the figure can tell
+    # the engine's int8 logits are not bit-equal to one whole-window forward (other row counts take other kernel
+    # paths), so a near-tie may fall the other way
+    assert abs(results["int8"]["top1_agreement"] - expected) <= 0.03
+
+
 def test_bench_kernels_times_every_weight_shape(ops, tmp_path, capsys):
     """One row per (layer kind, block types, shape) and M, each variant's time turned into GB/s and GFLOP/s."""
     hf = tiny_hf_model(seed=63, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)

@@ -7,6 +7,7 @@ tokens before it. The scores are the engine's own prompt logprobs, so this measu
 The default text ships with the package: about 2,500 tokens of English prose, Chinese prose and code."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -28,7 +29,11 @@ def windows(num_tokens: int, context: int, stride: int) -> list[tuple[int, int, 
     return spans
 
 
-def bench_ppl(config: EngineConfig, path: str | None = None, context: int = 512, stride: int = 256) -> dict:
+def bench_ppl(config: EngineConfig, path: str | None = None, context: int = 512, stride: int = 256,
+              agreement: bool = False) -> dict:
+    """agreement: also run the exact path (the same model and dtype with quantization none) over the same windows
+    and report top1_agreement, the share of scored positions where both predict the same next token: a measure of
+    how far a quantization moves greedy decoding that a few prompts' near-ties cannot swing."""
     if not 0 < stride < context:
         raise ValueError(f"bench ppl needs 0 < stride < context, got stride {stride}, context {context}")
     engine = LLMEngine(config)
@@ -37,19 +42,32 @@ def bench_ppl(config: EngineConfig, path: str | None = None, context: int = 512,
     if len(ids) < 2:
         raise ValueError(f"{path or DEFAULT_TEXT}: needs at least 2 tokens to score, has {len(ids)}")
     context = min(context, engine.max_model_len - 1)
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
     spans = windows(len(ids), context, min(stride, context - 1))
+    nll, top1 = _score(engine, ids, spans)
+    result = {"ppl": round(math.exp(nll / len(top1)), 4), "tokens": len(top1), "text": str(path or DEFAULT_TEXT),
+              "context": context, "stride": stride, "quantization": engine.spec.quantization,
+              "dtype": str(engine.spec.dtype).removeprefix("torch.")}
+    if agreement:
+        engine.shutdown()
+        exact = LLMEngine(dataclasses.replace(config, load=dataclasses.replace(config.load, quantization="none")))
+        _, exact_top1 = _score(exact, ids, spans)
+        exact.shutdown()
+        result["top1_agreement"] = round(sum(a == b for a, b in zip(top1, exact_top1)) / len(top1), 4)
+    return result
+
+
+def _score(engine: LLMEngine, ids: list[int], spans: list[tuple[int, int, int]]) -> tuple[float, list[int]]:
+    """The summed NLL of every scored token, and at each scored position the token the model found most likely."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
     for i, (start, end, _) in enumerate(spans):
         engine.add_request(f"ppl-{i}", {"prompt_token_ids": ids[start:end]}, params)
     finals = {}
     while engine.has_unfinished_requests():
         finals.update((out.request_id, out) for out in engine.step() if out.finished)
-    nll, scored = 0.0, 0
+    nll, top1 = 0.0, []
     for i, (start, end, first) in enumerate(spans):
-        logprobs = finals[f"ppl-{i}"].prompt_logprobs  # entry j: the logprob of token start + j
+        logprobs = finals[f"ppl-{i}"].prompt_logprobs  # entry j: token start + j's logprob and the most likely
         for pos in range(first - start, end - start):
             nll -= logprobs[pos][ids[start + pos]].logprob
-            scored += 1
-    return {"ppl": round(math.exp(nll / scored), 4), "tokens": scored, "text": str(path or DEFAULT_TEXT),
-            "context": context, "stride": stride, "quantization": engine.spec.quantization,
-            "dtype": str(engine.spec.dtype).removeprefix("torch.")}
+            top1.append(next(t for t, lp in logprobs[pos].items() if lp.rank == 1))
+    return nll, top1

@@ -49,6 +49,9 @@ def register(sub) -> None:
     ppl.add_argument("--context", type=positive_int, default=512, help="tokens per window (default: %(default)s)")
     ppl.add_argument("--stride", type=positive_int, default=256,
                      help="tokens scored per window after the first (default: %(default)s)")
+    ppl.add_argument("--agreement", action="store_true",
+                     help="also run the exact path (quantization none, same dtype) and report top1_agreement: the "
+                          "share of positions where both predict the same next token")
     ppl.add_argument("--json", action="store_true")
 
     kern = bench_sub.add_parser("kernels", help="every weight shape of the model: our matmul against the alternatives")
@@ -114,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     elif args.bench_command == "ppl":
         from qwenserve.benchmarks.ppl import bench_ppl
-        result = bench_ppl(engine_config_from_args(args), args.file, args.context, args.stride)
+        result = bench_ppl(engine_config_from_args(args), args.file, args.context, args.stride, args.agreement)
     else:
         import asyncio
 
