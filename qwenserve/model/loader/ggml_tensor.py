@@ -33,24 +33,22 @@ class GGMLTensor:
 
     def grouped(self) -> GGMLTensor:
         """The decode layout (see `group`); the file's layout when the rows do not divide into groups."""
-        rows, cols = self.shape
-        if self.group != 1 or rows % DECODE_GROUP:
+        if self.group != 1 or self.shape[0] % DECODE_GROUP:
             return self
-        raw = self._blocks(DECODE_GROUP).transpose(1, 2).contiguous().view(rows, -1)
-        return GGMLTensor(raw, self.ggml_type, self.shape, DECODE_GROUP)
+        return self._regrouped(DECODE_GROUP)
 
     def in_file_layout(self) -> GGMLTensor:
-        if self.group == 1:
-            return self
-        raw = self._blocks(self.group, grouped=True).transpose(1, 2).contiguous().view(self.shape[0], -1)
-        return GGMLTensor(raw, self.ggml_type, self.shape)
+        return self if self.group == 1 else self._regrouped(1)
 
-    def _blocks(self, group: int, grouped: bool = False) -> torch.Tensor:
-        """raw as [row groups, rows in a group, blocks in a row, block bytes] (grouped: rows and blocks swapped)."""
+    def _regrouped(self, group: int) -> GGMLTensor:
+        """The same blocks in the other layout: within each group of rows, [rows, blocks] becomes [blocks, rows]
+        (file -> decode layout) or back."""
+        size = max(group, self.group)  # the group the rows come in
         rows, cols = self.shape
         bs, block_bytes = GGML_QUANT_SIZES[self.ggml_type]
-        inner = (cols // bs, group) if grouped else (group, cols // bs)
-        return self.raw.reshape(rows // group, *inner, block_bytes)
+        inner = (size, cols // bs) if self.group == 1 else (cols // bs, size)
+        raw = self.raw.reshape(rows // size, *inner, block_bytes).transpose(1, 2).contiguous().view(rows, -1)
+        return GGMLTensor(raw, self.ggml_type, self.shape, group)
 
     def narrow(self, dim: int, start: int, length: int) -> GGMLTensor:
         """Rows (dim 0) freely; columns (dim 1) only on block boundaries."""
@@ -72,4 +70,3 @@ class GGMLTensor:
         if self.group != 1:
             return self.in_file_layout().dequantize(dtype)
         return dequantize(self.raw.reshape(-1).numpy(), self.ggml_type, self.shape).to(dtype)
-
