@@ -298,3 +298,22 @@ def test_penalties_equal_their_formulas():
     assert torch.equal(logits, torch.tensor([[2.0, -2.0, 1.0, -1.0, 0.5, 3.0]]))  # the input is not modified
     plain = SimpleNamespace(params=SamplingParams(), token_ids=prompt + output, num_prompt_tokens=len(prompt))
     assert apply_penalties(logits, [plain]) is logits  # no penalty: no copy
+
+def test_random_sampling_draws_tokens_at_their_probabilities():
+    """Each row's token is drawn with the probability softmax(logits / temperature) gives it: frequencies over
+    many rows within 5 standard deviations of it, and a token with no mass (top-k cut) never drawn."""
+    from types import SimpleNamespace
+
+    from qwenserve.sample.sampler import Sampler
+
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0]))
+    params = SamplingParams(temperature=1.0, top_k=4)
+    rows = [SimpleNamespace(params=params, generator=None, token_ids=[0], num_prompt_tokens=1, num_output_tokens=0)
+            for _ in range(20000)]
+    torch.manual_seed(11)
+    tokens = torch.tensor(Sampler("cpu")(logits.expand(len(rows), -1).contiguous(), rows).token_ids)
+    counts = torch.bincount(tokens, minlength=5).double()
+    expected = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0], dtype=torch.double) * len(rows)
+    sigma = (expected * (1 - expected / len(rows))).sqrt()
+    assert counts[4] == 0
+    assert ((counts - expected).abs()[:4] < 5 * sigma[:4]).all(), counts

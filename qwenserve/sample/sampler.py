@@ -95,6 +95,17 @@ class Sampler:
         min_p = torch.tensor([p.min_p for p in params], dtype=x.dtype)
         if (min_p > 0).any():
             probs = probs.masked_fill(probs < min_p.unsqueeze(1) * probs.max(dim=1, keepdim=True).values, 0.0)
-        for j, i in enumerate(random_rows):
-            tokens[i] = torch.multinomial(probs[j], 1, generator=rows[i].generator).squeeze(0)
+        tokens[random_rows] = _draw(probs, [rows[i].generator for i in random_rows])
         return tokens
+
+
+def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of probs ([R, V], each row's mass need not be 1), by inverting its cumulative sum at a
+    uniform draw from the row's own generator (the global one where None). torch.multinomial draws through an
+    exponential per vocabulary entry: 5 ms a row at V = 152k on this CPU, against 0.2 ms for this."""
+    cdf = probs.cumsum(dim=1)
+    total = cdf[:, -1:]
+    u = torch.cat([torch.rand(1, generator=g) for g in generators]).unsqueeze(1)
+    picked = torch.searchsorted(cdf, u * total, right=True)  # first entry whose cdf exceeds the draw: its p > 0
+    # u * total can round up to total itself: take the last entry with mass, never one past the end
+    return torch.minimum(picked, torch.searchsorted(cdf, total)).squeeze(1)
