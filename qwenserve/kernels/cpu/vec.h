@@ -3,13 +3,13 @@
 // operations in the activation dtype, so bfloat16 results match the PyTorch path bit for bit where the PyTorch
 // path rounds, and float32 results agree to float rounding. The loops are written as fixed-width lanes so the
 // compiler vectorises them without -ffast-math (which would reorder the sums and break the bit-equality). Every
-// x86 intrinsic sits under __AVX512F__, so the same sources build the portable path anywhere else; everything
-// here is inline, so each op family's translation unit can include it.
+// x86 intrinsic sits under __AVX512F__ (or, for the 8-wide loads, AVX2 + FMA + F16C), so the same sources build
+// the portable path anywhere else; everything here is inline, so each op family's translation unit can include it.
 #pragma once
 
 #include <ATen/ATen.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #include <immintrin.h>
 #endif
 
@@ -162,6 +162,29 @@ inline __m512 load16(const c10::Float8_e4m3fn* p) {
   return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
 }
 // element types with a 16-wide AVX-512 load above (double takes the portable path)
+template <typename T>
+inline constexpr bool kWideLoad = !std::is_same_v<T, double>;
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// The same loads 8 wide, for AVX2 machines (every one has FMA and F16C; -march=native turns them on together).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m128i load8_bytes_as_u16(const void* p) {
+  return _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 load8(const c10::Float8_e5m2* p) { return _mm256_cvtph_ps(_mm_slli_epi16(load8_bytes_as_u16(p), 8)); }
+inline __m256 load8(const c10::Float8_e4m3fn* p) {  // as load16 for AVX-512 does it
+  const __m128i b = load8_bytes_as_u16(p);
+  const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
+                                 _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7f)), 7));
+  return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
+}
 template <typename T>
 inline constexpr bool kWideLoad = !std::is_same_v<T, double>;
 #endif
