@@ -314,8 +314,10 @@ inline __m256 fp16x8(const uint8_t* p, int64_t ld) {
 //   decode(blk) -> Codes             the block's weight codes in registers (and what else the sums need),
 //   partials(codes, a) -> __m256i    8 int32 lanes whose sum is the block's integer dot product with a,
 //   int_offset(a)                    subtracted from that sum (kHasOffset: the codes' fixed offset),
-//   float_term(codes, a)             added to the row in float (kHasFloatTerm: Q4_1's m, the K-quants' mins),
-// and the row gets, per block, d * a.d * (lane sum - int_offset) + float_term, d being the fp16 at kScaleAt.
+//   min_sum(codes, a) -> int32       (kHasMinTerm: Q4_1's m, the K-quants' mins) an integer that, times a.d and
+//                                    the fp16 at kMinScaleAt, is added to the row (kMinSign +1) or subtracted (-1),
+// and the row gets, per block, d * a.d * (lane sum - int_offset) + kMinSign * m * a.d * min_sum, d and m being
+// the fp16s at kScaleAt and kMinScaleAt.
 // The portable path is each kernel's dot<R>, which forms the same integer sum per block.
 
 // Q4_0, Q4_1 and Q5_0: unsigned codes. Q4_0, Q5_0: sum (q - off) y = sum q y - off * sum y, the correction in
@@ -325,13 +327,14 @@ struct LegacyUnsigned {
   static constexpr int kQs = Type == kQ4_0 ? 2 : Type == kQ4_1 ? 4 : 6;  // where the packed nibbles start
   static constexpr int64_t kBlock = 32, kBytes = kQs + 16, kScaleAt = 0;
   static constexpr int32_t kOff = Type == kQ4_0 ? 8 : Type == kQ5_0 ? 16 : 0;
-  static constexpr bool kHasOffset = kOff != 0, kHasFloatTerm = Type == kQ4_1;
+  static constexpr bool kHasOffset = kOff != 0, kHasMinTerm = Type == kQ4_1;
+  static constexpr int64_t kMinScaleAt = 2;
+  static constexpr float kMinSign = 1.0f;
   using Act = ActQ8_0;
 
 #if QS_GGML_AVX2
   struct Codes {
     __m256i q;
-    float m;
   };
   static Codes decode(const uint8_t* blk) {
     __m256i q = nibbles32(blk + kQs);
@@ -340,11 +343,11 @@ struct LegacyUnsigned {
       std::memcpy(&h, blk + 2, 4);  // x86: little-endian
       q = _mm256_or_si256(q, fifth_bits32(h));
     }
-    return {q, Type == kQ4_1 ? fp16_at(blk + 2) : 0.0f};
+    return {q};
   }
   static __m256i partials(const Codes& c, const Act& a) { return dot_u8s8(c.q, load32(a.qs)); }
   static int32_t int_offset(const Act& a) { return kOff * a.sum; }
-  static float float_term(const Codes& c, const Act& a) { return (c.m * a.d) * static_cast<float>(a.sum); }
+  static int32_t min_sum(const Codes&, const Act& a) { return a.sum; }
 #else
   template <int R>
   static void dot(const uint8_t* w, int64_t bstride, int64_t nb, const Act* const* y, float* res) {
@@ -371,8 +374,9 @@ struct LegacyUnsigned {
 
 // Q8_0: signed codes; on AVX2 |q| goes in as the unsigned operand and q's signs move onto y.
 struct Q8_0Kernel {
-  static constexpr int64_t kBlock = 32, kBytes = 34, kScaleAt = 0;
-  static constexpr bool kHasOffset = false, kHasFloatTerm = false;
+  static constexpr int64_t kBlock = 32, kBytes = 34, kScaleAt = 0, kMinScaleAt = 0;
+  static constexpr bool kHasOffset = false, kHasMinTerm = false;
+  static constexpr float kMinSign = 0.0f;
   using Act = ActQ8_0;
 
 #if QS_GGML_AVX2
@@ -387,7 +391,7 @@ struct Q8_0Kernel {
     return dot_u8s8(c.abs_q, _mm256_sign_epi8(load32(a.qs), c.q));
   }
   static int32_t int_offset(const Act&) { return 0; }
-  static float float_term(const Codes&, const Act&) { return 0.0f; }
+  static int32_t min_sum(const Codes&, const Act&) { return 0; }
 #else
   template <int R>
   static void dot(const uint8_t* w, int64_t bstride, int64_t nb, const Act* const* y, float* res) {
@@ -414,19 +418,32 @@ template <int64_t Type>
 struct KQuant45 {
   static constexpr int64_t kBlock = 256, kBytes = Type == kQ4_K ? 144 : 176, kScaleAt = 0;
   static constexpr int kQs = Type == kQ4_K ? 16 : 48;
-  static constexpr bool kHasOffset = false, kHasFloatTerm = true;
+  static constexpr bool kHasOffset = false, kHasMinTerm = true;
+  static constexpr int64_t kMinScaleAt = 2;
+  static constexpr float kMinSign = -1.0f;
   using Act = ActQ8_K;
 
 #if QS_GGML_AVX2
   struct Codes {
     __m256i lo[4], hi[4];  // sub-blocks 2c and 2c + 1
-    int32_t sc[8], mn[8];
-    float dmin;
+    alignas(16) uint8_t scales[16];  // the 8 scales, then the 8 mins
   };
+  // scales_mins_k's unpacking, four bytes at a time: bytes 0-3 hold scales 0-3 and (top 2 bits) the high bits of
+  // scales 4-7; bytes 4-7 mins 0-3 and the high bits of mins 4-7; bytes 8-11 the low nibbles of scales 4-7 and
+  // (high nibbles) of mins 4-7
+  static void unpack_scales(const uint8_t* packed, uint8_t* out) {
+    uint32_t w[3], u[4];
+    std::memcpy(w, packed, 12);
+    constexpr uint32_t kLow6 = 0x3f3f3f3f, kLow4 = 0x0f0f0f0f, kLow2 = 0x03030303;
+    u[0] = w[0] & kLow6;
+    u[1] = (w[2] & kLow4) | (((w[0] >> 6) & kLow2) << 4);
+    u[2] = w[1] & kLow6;
+    u[3] = ((w[2] >> 4) & kLow4) | (((w[1] >> 6) & kLow2) << 4);
+    std::memcpy(out, u, 16);
+  }
   static Codes decode(const uint8_t* blk) {
     Codes c;
-    c.dmin = fp16_at(blk + 2);
-    scales_mins_k(blk + 4, c.sc, c.mn);
+    unpack_scales(blk + 4, c.scales);
     const __m256i m0f = _mm256_set1_epi8(0x0F);
     // Q5_K: the 5th bits of sub-blocks 2c and 2c+1 are bits 0 and 1 of hb after it is shifted right by 2c
     __m256i hb;
@@ -448,18 +465,19 @@ struct KQuant45 {
     __m256i isum = _mm256_setzero_si256();
     for (int k = 0; k < 4; ++k) {
       const __m256i plo = _mm256_madd_epi16(_mm256_maddubs_epi16(c.lo[k], load32(a.qs + 64 * k)),
-                                            _mm256_set1_epi16(static_cast<int16_t>(c.sc[2 * k])));
+                                            _mm256_set1_epi16(c.scales[2 * k]));
       const __m256i phi = _mm256_madd_epi16(_mm256_maddubs_epi16(c.hi[k], load32(a.qs + 64 * k + 32)),
-                                            _mm256_set1_epi16(static_cast<int16_t>(c.sc[2 * k + 1])));
+                                            _mm256_set1_epi16(c.scales[2 * k + 1]));
       isum = _mm256_add_epi32(isum, _mm256_add_epi32(plo, phi));
     }
     return isum;
   }
   static int32_t int_offset(const Act&) { return 0; }
-  static float float_term(const Codes& c, const Act& a) {
-    int32_t msum = 0;
-    for (int s = 0; s < 8; ++s) msum += c.mn[s] * a.bsums32[s];
-    return -(c.dmin * a.d) * static_cast<float>(msum);
+  static int32_t min_sum(const Codes& c, const Act& a) {  // sum_s m[s] bsums32[s]
+    const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c.scales + 8)));
+    __m128i p = _mm_madd_epi16(mins, _mm_loadu_si128(reinterpret_cast<const __m128i*>(a.bsums32)));
+    p = _mm_add_epi32(p, _mm_shuffle_epi32(p, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtsi128_si32(_mm_add_epi32(p, _mm_shuffle_epi32(p, _MM_SHUFFLE(2, 3, 0, 1))));
   }
 #else
   template <int R>
@@ -491,20 +509,22 @@ struct KQuant45 {
 
 // Q6_K: isum = sum_j sc[j] (sum_{i in j} q_i y_i - 32 bsum_j) over the 16 sub-blocks of 16; the row gets d dy isum.
 struct Q6_KKernel {
-  static constexpr int64_t kBlock = 256, kBytes = 210, kScaleAt = 208;
-  static constexpr bool kHasOffset = false, kHasFloatTerm = false;
+  static constexpr int64_t kBlock = 256, kBytes = 210, kScaleAt = 208, kMinScaleAt = 0;
+  static constexpr bool kHasOffset = false, kHasMinTerm = false;
+  static constexpr float kMinSign = 0.0f;
   using Act = ActQ8_K;
 
 #if QS_GGML_AVX2
   struct Codes {
-    __m256i q[8];   // weights 32 i .. 32 i + 31
-    __m256i sc16;   // the 16 scales as int16
-    const int8_t* sc;
+    __m256i q[8];       // weights 32 i .. 32 i + 31
+    __m256i sc16;       // the 16 scales as int16
+    __m256i sc_dup[2];  // scales 0-7, then 8-15, as int16 in both 128-bit lanes
   };
   static Codes decode(const uint8_t* blk) {
     Codes c;
-    c.sc = reinterpret_cast<const int8_t*>(blk + 192);
-    c.sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c.sc)));
+    c.sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
+    c.sc_dup[0] = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(c.sc16));
+    c.sc_dup[1] = _mm256_broadcastsi128_si256(_mm256_extracti128_si256(c.sc16, 1));
     const __m256i m0f = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
     for (int h = 0; h < 2; ++h) {
       const __m256i qh = load32(blk + 128 + 32 * h);
@@ -523,14 +543,19 @@ struct Q6_KKernel {
     __m256i isum = _mm256_sub_epi32(_mm256_setzero_si256(),
                                     _mm256_slli_epi32(_mm256_madd_epi16(c.sc16, load32(a.bsums)), 5));
     for (int i = 0; i < 8; ++i) {  // sub-blocks 2i, 2i + 1
-      const __m256i s = _mm256_set_m128i(_mm_set1_epi16(c.sc[2 * i + 1]), _mm_set1_epi16(c.sc[2 * i]));
+      // their scales across the low and the high lane: one byte shuffle of the copy holding them (scale 2i is
+      // int16 number 2i % 8 there, at byte j), where building the pair from two scalars took 7 instructions
+      const int16_t j = static_cast<int16_t>(4 * (i % 4));
+      const __m256i pick = _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>(((j + 3) << 8) | (j + 2))),
+                                            _mm_set1_epi16(static_cast<int16_t>(((j + 1) << 8) | j)));
+      const __m256i s = _mm256_shuffle_epi8(c.sc_dup[i / 4], pick);
       const __m256i p = _mm256_maddubs_epi16(c.q[i], load32(a.qs + 32 * i));
       isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, s));
     }
     return isum;
   }
   static int32_t int_offset(const Act&) { return 0; }
-  static float float_term(const Codes&, const Act&) { return 0.0f; }
+  static int32_t min_sum(const Codes&, const Act&) { return 0; }
 #else
   template <int R>
   static void dot(const uint8_t* w, int64_t bstride, int64_t nb, const Act* const* y, float* res) {
@@ -570,12 +595,13 @@ void dot_rows(const uint8_t* w, int64_t bstride, int64_t nb, const typename Kern
     const uint8_t* blk = w + b * bstride;
     const typename Kernel::Codes c = Kernel::decode(blk);  // once for all R activation rows
     const float d = fp16_at(blk + Kernel::kScaleAt);
+    const float m = Kernel::kHasMinTerm ? Kernel::kMinSign * fp16_at(blk + Kernel::kMinScaleAt) : 0.0f;
     for (int r = 0; r < R; ++r) {
       const typename Kernel::Act& a = y[r][b];
       __m256i s = Kernel::partials(c, a);
       if constexpr (Kernel::kHasOffset) s = _mm256_sub_epi32(s, in_lane0(Kernel::int_offset(a)));
       acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * a.d), _mm256_cvtepi32_ps(s), acc[r]);
-      if constexpr (Kernel::kHasFloatTerm) extra[r] += Kernel::float_term(c, a);
+      if constexpr (Kernel::kHasMinTerm) extra[r] += (m * a.d) * static_cast<float>(Kernel::min_sum(c, a));
     }
   }
   for (int r = 0; r < R; ++r) res[r] = hsum(acc[r]) + extra[r];
@@ -596,10 +622,10 @@ void dot8(const uint8_t* w, int64_t nb, const typename Kernel::Act* const* y, fl
   // [151936, 896]: 11.3, 9.2, 8.0-11.3, 10.9, 10.5 ms)
   constexpr int64_t kAhead = 4096, kGroupBytes = 8 * Kernel::kBytes;
   __m256 acc[R];
-  float extra[R][8] = {};
   for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w + b * kGroupBytes;
+    alignas(32) int32_t min_sums[R][8];  // the 8 rows' min_sum, applied together below
     for (int64_t line = 0; line < kGroupBytes; line += 64)
       _mm_prefetch(reinterpret_cast<const char*>(blk + kAhead + line), _MM_HINT_T0);
     // rows 0-3 and 4-7 each summed into one vector (lane k: row k % 4's half k / 4) as they are decoded, so only
@@ -614,7 +640,7 @@ void dot8(const uint8_t* w, int64_t nb, const typename Kernel::Act* const* y, fl
           const typename Kernel::Codes c = Kernel::decode(blk + r * Kernel::kBytes);
           for (int i = 0; i < R; ++i) {
             s[j][i] = Kernel::partials(c, y[i][b]);
-            if constexpr (Kernel::kHasFloatTerm) extra[i][r] += Kernel::float_term(c, y[i][b]);
+            if constexpr (Kernel::kHasMinTerm) min_sums[i][r] = Kernel::min_sum(c, y[i][b]);
           }
         }
         for (int i = 0; i < R; ++i) pair[p][i] = _mm256_hadd_epi32(s[0][i], s[1][i]);
@@ -629,11 +655,16 @@ void dot8(const uint8_t* w, int64_t nb, const typename Kernel::Act* const* y, fl
       if constexpr (Kernel::kHasOffset) sums = _mm256_sub_epi32(sums, _mm256_set1_epi32(Kernel::int_offset(a)));
       acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(a.d)), _mm256_cvtepi32_ps(sums), acc[i]);
     }
+    if constexpr (Kernel::kHasMinTerm) {
+      const __m256 m = _mm256_mul_ps(fp16x8(blk + Kernel::kMinScaleAt, Kernel::kBytes),
+                                     _mm256_set1_ps(Kernel::kMinSign));
+      for (int i = 0; i < R; ++i)
+        acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(m, _mm256_set1_ps(y[i][b].d)),
+                                 _mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(min_sums[i]))),
+                                 acc[i]);
+    }
   }
-  for (int i = 0; i < R; ++i) {
-    _mm256_storeu_ps(res[i], acc[i]);
-    for (int r = 0; r < 8; ++r) res[i][r] += extra[i][r];
-  }
+  for (int i = 0; i < R; ++i) _mm256_storeu_ps(res[i], acc[i]);
 }
 #endif
 
