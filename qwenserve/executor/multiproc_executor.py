@@ -213,7 +213,7 @@ def run_worker(rank: int, config: EngineConfig, steps: ShmQueue, results: ShmQue
         worker = init_rank_worker(rank, config, init_method, f"qwenserve-allreduce-{init_method.rsplit(':', 1)[1]}")
         conn.send(("loaded",))
         _, workers_sharing = from_engine.get()
-        conn.send(("fits", worker.kv_blocks_that_fit(workers_sharing), worker.kv_cache_budget))
+        conn.send(("fits", *worker.kv_blocks_that_fit(workers_sharing)))
         _, num_blocks = from_engine.get()
         worker.init_kv_cache(num_blocks)
     except Exception as e:  # noqa: BLE001 (reported to the engine, which raises it)

@@ -71,7 +71,7 @@ class RayWorker:
 
     def kv_blocks_that_fit(self, workers_sharing: int) -> tuple[int, int]:
         """(KV blocks this rank fits, its budget in bytes), once every rank has loaded."""
-        return self.worker.kv_blocks_that_fit(workers_sharing), self.worker.kv_cache_budget
+        return self.worker.kv_blocks_that_fit(workers_sharing)
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.worker.init_kv_cache(num_blocks)

@@ -13,9 +13,9 @@ from qwenserve.worker.worker import Worker
 class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig, spec: ModelSpec):
         self.worker = Worker(config, spec)
-        self.worker.init_kv_cache(self.worker.kv_blocks_that_fit())
+        num_blocks, self.kv_cache_budget = self.worker.kv_blocks_that_fit()
+        self.worker.init_kv_cache(num_blocks)
         self.num_kv_blocks = self.worker.num_kv_blocks
-        self.kv_cache_budget = self.worker.kv_cache_budget
         self._submitted: deque[SchedulerOutput] = deque()
 
     def submit(self, scheduler_output: SchedulerOutput) -> None:

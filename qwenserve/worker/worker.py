@@ -39,22 +39,20 @@ class Worker:
                           layers[0].self_attn.head_dim)
         self._kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype) or spec.dtype
         self.kv_cache: PagedKVCache | None = None
-        self.kv_cache_budget: int | None = None  # bytes this worker may use, once kv_blocks_that_fit has run
         self.model_runner: ModelRunner | None = None
 
-    def kv_blocks_that_fit(self, workers_sharing: int = 1) -> int:
-        """As many blocks as this worker's budget holds for its layers and kv heads: kv_cache_memory, or with
-        "auto" its share (one of workers_sharing, all loaded) of the memory available now; never more than
-        max_num_seqs sequences of max_model_len tokens could use."""
+    def kv_blocks_that_fit(self, workers_sharing: int = 1) -> tuple[int, int]:
+        """(blocks, budget in bytes): as many blocks as this worker's budget holds for its layers and kv heads,
+        the budget being kv_cache_memory, or with "auto" its share (one of workers_sharing, all loaded) of the
+        memory available now; never more blocks than max_num_seqs sequences of max_model_len tokens could use."""
         per_block = PagedKVCache.bytes_per_block(*self._kv_shape, self._kv_dtype)
         budget = kv_cache_budget(self.config.cache.kv_cache_memory, self.device, workers_sharing)
         num_blocks = budget // per_block
         if num_blocks < 1:
             raise ConfigError(f"kv_cache_memory {budget} bytes is less than one KV block ({per_block} bytes for "
                               f"{self._kv_shape[1]} tokens)")
-        self.kv_cache_budget = budget
         # more would never be used: every sequence slot full to max_model_len
-        return min(num_blocks, self.config.scheduler.max_num_seqs * -(-self.max_model_len // self._kv_shape[1]))
+        return min(num_blocks, self.config.scheduler.max_num_seqs * -(-self.max_model_len // self._kv_shape[1])), budget
 
     def init_kv_cache(self, num_blocks: int) -> None:
         num_layers, block_size, num_kv_heads, head_dim = self._kv_shape
