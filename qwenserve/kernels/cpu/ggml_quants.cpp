@@ -52,6 +52,12 @@
 #else
 #define QS_GGML_AVX2 0
 #endif
+// AVX-512 (BW for the byte ops) widens the decode kernel of the 32-blocks with 4-bit codes (dot8_legacy512)
+#if QS_GGML_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__)
+#define QS_GGML_AVX512 1
+#else
+#define QS_GGML_AVX512 0
+#endif
 
 namespace qwenserve::cpu {
 namespace {
@@ -668,6 +674,106 @@ void dot8(const uint8_t* w, int64_t nb, const typename Kernel::Act* const* y, fl
 }
 #endif
 
+#if QS_GGML_AVX512
+// Q4_0, Q4_1 and Q5_0 in the decode layout, 512 bits wide. Where dot8 reduces every block's 8 rows to 8 lanes
+// (a hadd tree per block), this keeps each row's partial sums in float lanes across all blocks and reduces once per
+// row at the end: per pair of rows and block, one vector of 64 codes (the pair's blocks, their nibbles split by one
+// masked shift), Q5_0's fifth bits added under a 64-bit mask, one u8 x s8 dot product against the activation block
+// (duplicated to match), and one fma with the two rows' scales. The offsets (-8, -16) and Q4_1's min term are one
+// 8-row fma per block. On 2 AVX-512 cores without VNNI, a Q5_0 [9728, 896] at M = 1: see the commit message.
+template <typename Kernel, int R>
+void dot8_legacy512(const uint8_t* w, int64_t nb, const ActQ8_0* const* y, float (*res)[8]) {
+  constexpr int64_t kAhead = 4096, kGroupBytes = 8 * Kernel::kBytes;
+  const __m512i low4 = _mm512_set1_epi8(0x0F), fifth = _mm512_set1_epi8(0x10);
+  // the 4 lanes of 4 int32 that pair p's dot product gives: rows 2p, 2p + 1, 2p, 2p + 1 -> their scales' index
+  __m512i scale_index[4];
+  for (int p = 0; p < 4; ++p) {
+    const __m128i lo = _mm_set1_epi32(2 * p), hi = _mm_set1_epi32(2 * p + 1);
+    scale_index[p] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(hi, lo)),
+                                        _mm256_set_m128i(hi, lo), 1);
+  }
+  __m512 acc[R][4];
+  __m256 extra[R];  // per row: the offsets' or Q4_1's min term
+  for (int i = 0; i < R; ++i) {
+    extra[i] = _mm256_setzero_ps();
+    for (int p = 0; p < 4; ++p) acc[i][p] = _mm512_setzero_ps();
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * kGroupBytes;
+    for (int64_t line = 0; line < kGroupBytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(blk + kAhead + line), _MM_HINT_T0);
+    const __m256 d = fp16x8(blk + Kernel::kScaleAt, Kernel::kBytes);
+    __m512i act[R];
+    __m512 row_scale[R];  // lanes 0..7: d of row r times the activation block's d
+    for (int i = 0; i < R; ++i) {
+      const ActQ8_0& a = y[i][b];
+      const __m512i t = _mm512_castsi256_si512(load32(a.qs));
+      act[i] = _mm512_shuffle_i64x2(t, t, 0x50);  // 128-bit lanes: a[0:16], a[0:16], a[16:32], a[16:32]
+      row_scale[i] = _mm512_castps256_ps512(_mm256_mul_ps(d, _mm256_set1_ps(a.d)));
+      if constexpr (Kernel::kHasMinTerm)
+        extra[i] = _mm256_fmadd_ps(fp16x8(blk + Kernel::kMinScaleAt, Kernel::kBytes),
+                                   _mm256_set1_ps(a.d * static_cast<float>(a.sum)), extra[i]);
+      else
+        extra[i] = _mm256_fmadd_ps(d, _mm256_set1_ps(-a.d * static_cast<float>(Kernel::kOff * a.sum)), extra[i]);
+    }
+    for (int p = 0; p < 4; ++p) {
+      const uint8_t* r0 = blk + 2 * p * Kernel::kBytes;
+      const uint8_t* r1 = r0 + Kernel::kBytes;
+      // 128-bit lanes: row r0's packed bytes, row r1's, r0's, r1's; then the low nibbles in lanes 0-1 and the
+      // high nibbles in lanes 2-3, matching act's weights 0..15 and 16..31
+      __m512i q = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r0 + Kernel::kQs)));
+      q = _mm512_mask_broadcast_i32x4(q, 0xF0F0, _mm_loadu_si128(reinterpret_cast<const __m128i*>(r1 + Kernel::kQs)));
+      q = _mm512_and_si512(_mm512_mask_srli_epi16(q, 0xFFFF0000u, q, 4), low4);
+      if constexpr (Kernel::kOff == 16) {  // Q5_0: code byte j of the vector gets 16 where its fifth bit is set
+        uint32_t h0, h1;
+        std::memcpy(&h0, r0 + 2, 4);
+        std::memcpy(&h1, r1 + 2, 4);
+        const uint64_t low_halves = (h0 & 0xFFFFu) | (h1 << 16), high_halves = (h0 >> 16) | (h1 & 0xFFFF0000u);
+        q = _mm512_mask_add_epi8(q, static_cast<__mmask64>(low_halves | (high_halves << 32)), q, fifth);
+      }
+      for (int i = 0; i < R; ++i) {
+#if defined(__AVX512VNNI__)
+        const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, act[i]);
+#else
+        const __m512i s = _mm512_madd_epi16(_mm512_maddubs_epi16(q, act[i]), _mm512_set1_epi16(1));
+#endif
+        acc[i][p] = _mm512_fmadd_ps(_mm512_permutexvar_ps(scale_index[p], row_scale[i]), _mm512_cvtepi32_ps(s),
+                                    acc[i][p]);
+      }
+    }
+  }
+  const __m256i row_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int i = 0; i < R; ++i) {
+    __m256 half[4];  // pair p: lanes 0-3 row 2p's partial sums, 4-7 row 2p + 1's
+    for (int p = 0; p < 4; ++p)
+      half[p] = _mm256_add_ps(_mm512_castps512_ps256(acc[i][p]),
+                              _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[i][p]), 1)));
+    // hadd of hadds: lanes 0..7 = rows 0, 2, 4, 6, 1, 3, 5, 7
+    const __m256 rows = _mm256_hadd_ps(_mm256_hadd_ps(half[0], half[1]), _mm256_hadd_ps(half[2], half[3]));
+    _mm256_storeu_ps(res[i], _mm256_add_ps(_mm256_permutevar8x32_ps(rows, row_order), extra[i]));
+  }
+}
+
+template <typename Kernel>
+constexpr bool kWide512 = false;
+template <int64_t Type>
+constexpr bool kWide512<LegacyUnsigned<Type>> = true;
+#endif
+
+#if QS_GGML_AVX2
+// One group of 8 weight rows in the decode layout against R activation rows: the widest kernel this build has.
+template <typename Kernel, int R>
+void decode_group(const uint8_t* w, int64_t nb, const typename Kernel::Act* const* y, float (*res)[8]) {
+#if QS_GGML_AVX512
+  if constexpr (kWide512<Kernel>) {
+    dot8_legacy512<Kernel, R>(w, nb, y, res);
+    return;
+  }
+#endif
+  dot8<Kernel, R>(w, nb, y, res);
+}
+#endif
+
 // ---------------------------------------------------------------------------------------------------------------
 // Drivers
 
@@ -710,10 +816,10 @@ void mm_impl(T* out, int64_t ldo, const T* x, int64_t M, int64_t K, const Layout
           for (int i = 0; i < r; ++i) y[i] = act.data() + (m0 + i) * nb;
           float res[4][8];
           switch (r) {
-            case 4: dot8<Kernel, 4>(w.row(8 * g), nb, y, res); break;
-            case 3: dot8<Kernel, 3>(w.row(8 * g), nb, y, res); break;
-            case 2: dot8<Kernel, 2>(w.row(8 * g), nb, y, res); break;
-            default: dot8<Kernel, 1>(w.row(8 * g), nb, y, res); break;
+            case 4: decode_group<Kernel, 4>(w.row(8 * g), nb, y, res); break;
+            case 3: decode_group<Kernel, 3>(w.row(8 * g), nb, y, res); break;
+            case 2: decode_group<Kernel, 2>(w.row(8 * g), nb, y, res); break;
+            default: decode_group<Kernel, 1>(w.row(8 * g), nb, y, res); break;
           }
           for (int i = 0; i < r; ++i)
             for (int k = 0; k < 8; ++k) out[(m0 + i) * ldo + 8 * g + k] = from_float<T>(res[i][k]);
