@@ -50,6 +50,17 @@ def test_silu_and_mul(ops, dtype):
     assert_same(SiluAndMul()(x), F.silu(gate) * up, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_at_the_ends_of_the_range(ops, dtype):
+    """Gates where exp(-gate) overflows (below -88.7: SiLU is -0, as in PyTorch), near the bound, tiny, and large."""
+    gate = torch.tensor([-1000.0, -100.0, -89.0, -88.0, -87.5, -50.0, -1e-30, 0.0, 1e-30, 3e-4, 50.0, 88.0, 100.0])
+    x = torch.cat([gate, torch.full_like(gate, 1.5)]).unsqueeze(0).to(dtype)
+    gate, up = x.chunk(2, dim=-1)
+    got, expected = SiluAndMul()(x), F.silu(gate) * up
+    assert_same(got, expected, dtype)
+    assert torch.equal(got[0, :3].abs(), torch.zeros(3, dtype=dtype))
+
+
 @pytest.mark.parametrize("scaling", [None, {"rope_type": "linear", "factor": 2.0},
                                      {"rope_type": "dynamic", "factor": 4.0},
                                      {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}])

@@ -44,11 +44,15 @@ inline float round_to(float v) {
 }
 
 // Vectorisable exp: Cephes' polynomial after range reduction, the rounding done with the 1.5 * 2^23 trick
-// (plain arithmetic, no library call, so loops over it vectorise). Relative error ~2e-7 over [-87, 88].
+// (plain arithmetic, no library call, so loops over it vectorise). Relative error ~2e-7 over [-87, 88.7]; below
+// -87 it gives exp(-87), above 88.7 infinity, as expf overflows. The top is bounded through n, not by clamping x:
+// with x clamped to a constant the compiler evaluates a caller's g / (1 + exp_approx(-g)) at that constant for
+// every lane and blends, and g / 1.6e38 is a subnormal, which costs Intel cores a microcode assist per vector
+// (SiLU over 4,864 floats: 46 us instead of 5 on a Xeon).
 inline float exp_approx(float x) {
-  x = std::min(std::max(x, -87.0f), 88.0f);
+  x = std::max(x, -87.0f);
   const float magic = 12582912.0f;
-  float n = (x * 1.44269504088896341f + magic) - magic;
+  float n = std::min((x * 1.44269504088896341f + magic) - magic, 128.0f);  // 2^128: the exponent bits of inf
   float r = x - n * 0.693359375f + n * 2.12194440e-4f;
   float p = 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
