@@ -25,16 +25,28 @@ Q = GGMLQuantizationType
 BLOCK = 32  # weights per block of the 32-block types, the ones the packers below write
 
 
-def dense_from_rows(dtype: torch.dtype) -> int:
-    """From how many rows dequantizing a segment and running a dense matmul beats int8 dot products per row.
-    Measured on a 2-core AVX2 machine (no native bf16): ggml_mm at 33 rows was 3-5x faster than a bf16 matmul
-    (emulated there), about half as fast as a float32 one at large M. With native bf16 (AVX512-BF16, AMX)
-    oneDNN's dense path wins from a few dozen rows."""
+DENSE_SLICE_WEIGHTS = 1 << 20  # weights dequantized at a time on the dense route (4 MiB in float32: stays in cache)
+
+
+def native_bf16_matmul() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX); elsewhere oneDNN emulates it."""
+    cpu = torch.cpu
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(cpu, name, lambda: False)() for name in checks)
+
+
+def dense_route(dtype: torch.dtype) -> tuple[int, torch.dtype]:
+    """(from how many activation rows dequantizing a segment and running a dense matmul beats int8 dot products
+    per row, the dtype that matmul runs in). Measured on 2 cores without native bf16 (AVX2 EPYC; AVX-512 Xeon
+    2.0 GHz), Q5_0 [9728, 896]: an emulated bf16 matmul never pays (3x slower than ggml_mm at 32 rows, 2x at
+    512), a float32 one on float32 slices does from about 100 rows (ggml_mm / sliced float32: 10.8 / 14.5 ms at
+    32 rows, 32 / 26 at 128, 140 / 88 at 512). With native bf16 (AVX512-BF16, AMX) oneDNN's bf16 matmul wins from
+    a few dozen rows."""
     if dtype == torch.float32:
-        return 64
-    if dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return 32
-    return sys.maxsize  # emulated half-precision matmuls never pay
+        return 64, torch.float32
+    if dtype == torch.bfloat16 and native_bf16_matmul():
+        return 32, torch.bfloat16
+    return 128, torch.float32
 
 
 _DENSE = UnquantizedLinearMethod()  # what a dequantized layer runs
@@ -51,7 +63,7 @@ class GGMLBlockLinearMethod(LinearMethod):
         layer.packed_weight = None
         layer.weight_device = torch.empty(0).device  # where the model is being built
         layer.ggml_ops = cpu_ops_for(layer.weight_device)  # chosen once, here
-        layer.dense_from_rows = dense_from_rows(layer.weight_dtype)
+        layer.dense_from_rows, layer.dense_dtype = dense_route(layer.weight_dtype)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         layer.segments.sort(key=lambda s: s[0])
@@ -76,19 +88,30 @@ class GGMLBlockLinearMethod(LinearMethod):
         x = x.contiguous() if layer.input_order is None else x.index_select(1, layer.input_order)
         out = x.new_empty(x.shape[0], layer.output_size)
         dense = x.shape[0] >= layer.dense_from_rows
+        x_dense = x.to(layer.dense_dtype) if dense else None
         for offset, segment in layer.segments:
             rows = segment.shape[0]
             if not isinstance(segment, GGMLTensor):
                 out[:, offset:offset + rows] = F.linear(x, segment)
             elif dense:
-                weight = ops.ggml_dequantize(segment.raw, int(segment.ggml_type), segment.shape[1], x.dtype,
-                                             segment.group)
-                out[:, offset:offset + rows] = F.linear(x, weight)
+                _dense_by_slices(out[:, offset:offset + rows], x_dense, segment, ops)
             else:
                 ops.ggml_mm(out[:, offset:offset + rows], x, segment.raw, int(segment.ggml_type), segment.group)
         if bias is not None:
             out += bias
         return out
+
+
+def _dense_by_slices(out: torch.Tensor, x: torch.Tensor, segment: GGMLTensor, ops) -> None:
+    """out = x @ dequantize(segment).T, dequantizing a slice of rows at a time into x's dtype: each slice is
+    multiplied while it is still in cache, and the whole segment is never held dense (the LM head would take
+    545 MB in float32). Slices start on multiples of 8 rows, which keeps a decode-layout segment's groups whole."""
+    rows, cols = segment.shape
+    step = max(8, DENSE_SLICE_WEIGHTS // cols // 8 * 8)
+    for start in range(0, rows, step):
+        weight = ops.ggml_dequantize(segment.raw[start:start + step], int(segment.ggml_type), cols, x.dtype,
+                                     segment.group)
+        out[:, start:start + weight.shape[0]] = torch.mm(x, weight.t())
 
 
 def _merge_adjacent(segments: list) -> list:
