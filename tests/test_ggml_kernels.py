@@ -196,6 +196,29 @@ def test_decode_layout_gives_the_same_bits(ops, qtype):
         ops.ggml_mm(torch.empty(1, 12), torch.randn(1, k), raw[:12].contiguous(), int(qtype), DECODE_GROUP)
 
 
+@pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q8_0, Q.Q6_K], ids=lambda q: q.name)
+def test_mm_adds_a_bias_before_rounding(ops, qtype):
+    """The bias rides in the kernel: float32 results are the product plus the bias; bfloat16 ones round that sum
+    once, in both layouts."""
+    k = 256
+    raw = random_blocks(qtype, 16, k, seed=3, scale=0.02)
+    grouped = GGMLTensor.from_bytes(raw, qtype, (16, k)).grouped().raw
+    x = torch.randn(2, k, generator=torch.Generator().manual_seed(4))
+    bias = torch.randn(16, generator=torch.Generator().manual_seed(5))
+    for weights, group in ((raw, 1), (grouped, DECODE_GROUP)):
+        plain, biased = torch.empty(2, 16), torch.empty(2, 16)
+        ops.ggml_mm(plain, x, weights, int(qtype), group)
+        ops.ggml_mm(biased, x, weights, int(qtype), group, bias)
+        assert torch.equal(biased, plain + bias)
+        rounded = torch.empty(2, 16, dtype=torch.bfloat16)
+        ops.ggml_mm(rounded, x.bfloat16(), weights, int(qtype), group, bias)
+        plain_bf16 = torch.empty(2, 16)
+        ops.ggml_mm(plain_bf16, x.bfloat16().float(), weights, int(qtype), group)
+        assert torch.equal(rounded, (plain_bf16 + bias).bfloat16())
+    with pytest.raises(RuntimeError, match="bias must be a contiguous float32 vector of 16"):
+        ops.ggml_mm(torch.empty(2, 16), x, raw, int(qtype), 1, bias.bfloat16())
+
+
 def test_bad_arguments_are_rejected(ops):
     raw = random_blocks(Q.Q8_0, 4, 64, seed=1)
     with pytest.raises(RuntimeError, match="not supported"):
@@ -234,7 +257,7 @@ _SCALAR_REGISTER = """
 #include "ops.h"
 TORCH_LIBRARY(qwenserve_ggml_portable, m) {
   m.def("ggml_dequantize(Tensor raw, int ggml_type, int cols, ScalarType dtype, int group=1) -> Tensor");
-  m.def("ggml_mm(Tensor(a!) out, Tensor x, Tensor raw, int ggml_type, int group=1) -> ()");
+  m.def("ggml_mm(Tensor(a!) out, Tensor x, Tensor raw, int ggml_type, int group=1, Tensor? bias=None) -> ()");
 }
 TORCH_LIBRARY_IMPL(qwenserve_ggml_portable, CPU, m) {
   m.impl("ggml_dequantize", &qwenserve::cpu::ggml_dequantize);

@@ -801,7 +801,7 @@ struct Layout {
 };
 
 template <typename Kernel, typename T>
-void mm_impl(T* out, int64_t ldo, const T* x, int64_t M, int64_t K, const Layout& w, int64_t N) {
+void mm_impl(T* out, int64_t ldo, const T* x, int64_t M, int64_t K, const Layout& w, int64_t N, const float* bias) {
   using Act = typename Kernel::Act;
   const int64_t nb = K / Kernel::kBlock, bstride = w.block_stride();
   std::vector<Act> act(static_cast<size_t>(M * nb));
@@ -822,7 +822,8 @@ void mm_impl(T* out, int64_t ldo, const T* x, int64_t M, int64_t K, const Layout
             default: decode_group<Kernel, 1>(w.row(8 * g), nb, y, res); break;
           }
           for (int i = 0; i < r; ++i)
-            for (int k = 0; k < 8; ++k) out[(m0 + i) * ldo + 8 * g + k] = from_float<T>(res[i][k]);
+            for (int k = 0; k < 8; ++k)
+              out[(m0 + i) * ldo + 8 * g + k] = from_float<T>(bias ? res[i][k] + bias[8 * g + k] : res[i][k]);
         }
     });
     return;
@@ -845,7 +846,7 @@ void mm_impl(T* out, int64_t ldo, const T* x, int64_t M, int64_t K, const Layout
             case 2: dot_rows<Kernel, 2>(wr, bstride, nb, y, res); break;
             default: dot_rows<Kernel, 1>(wr, bstride, nb, y, res); break;
           }
-          for (int i = 0; i < r; ++i) out[(m0 + i) * ldo + n] = from_float<T>(res[i]);
+          for (int i = 0; i < r; ++i) out[(m0 + i) * ldo + n] = from_float<T>(bias ? res[i] + bias[n] : res[i]);
         }
       }
     }
@@ -908,9 +909,11 @@ at::Tensor ggml_dequantize(const at::Tensor& raw, int64_t ggml_type, int64_t col
   return out;
 }
 
-// out[M, N] = x[M, K] @ dequant(raw[N, ...])^T with x quantized to q8_0 / q8_K per row (see the top of the file).
-// out's rows may be strided (a column slice of a wider output); x contiguous in float32, bfloat16 or float16.
-void ggml_mm(at::Tensor& out, const at::Tensor& x, const at::Tensor& raw, int64_t ggml_type, int64_t group) {
+// out[M, N] = x[M, K] @ dequant(raw[N, ...])^T (+ bias[N]) with x quantized to q8_0 / q8_K per row (see the top of
+// the file). out's rows may be strided (a column slice of a wider output); x contiguous in float32, bfloat16 or
+// float16; bias contiguous float32, added before the one rounding to out's dtype (saves a separate add per call).
+void ggml_mm(at::Tensor& out, const at::Tensor& x, const at::Tensor& raw, int64_t ggml_type, int64_t group,
+             const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu(), "ggml_mm: CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.is_contiguous(), "ggml_mm: x must be a contiguous [M, K] matrix");
   TORCH_CHECK(out.size(0) == x.size(0) && (out.stride(1) == 1 || out.size(1) <= 1),
@@ -922,17 +925,23 @@ void ggml_mm(at::Tensor& out, const at::Tensor& x, const at::Tensor& raw, int64_
   const Layout w = checked_layout(raw, ggml_type, K, N, group);
   if (M == 0 || N == 0) return;
   const int64_t ldo = out.stride(0);
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+                "ggml_mm: bias must be a contiguous float32 vector of ", N, " (out's columns)");
+    bp = bias->data_ptr<float>();
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "ggml_mm", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     switch (ggml_type) {
-      case kQ4_0: mm_impl<LegacyUnsigned<kQ4_0>>(op, ldo, xp, M, K, w, N); break;
-      case kQ4_1: mm_impl<LegacyUnsigned<kQ4_1>>(op, ldo, xp, M, K, w, N); break;
-      case kQ5_0: mm_impl<LegacyUnsigned<kQ5_0>>(op, ldo, xp, M, K, w, N); break;
-      case kQ8_0: mm_impl<Q8_0Kernel>(op, ldo, xp, M, K, w, N); break;
-      case kQ4_K: mm_impl<KQuant45<kQ4_K>>(op, ldo, xp, M, K, w, N); break;
-      case kQ5_K: mm_impl<KQuant45<kQ5_K>>(op, ldo, xp, M, K, w, N); break;
-      case kQ6_K: mm_impl<Q6_KKernel>(op, ldo, xp, M, K, w, N); break;
+      case kQ4_0: mm_impl<LegacyUnsigned<kQ4_0>>(op, ldo, xp, M, K, w, N, bp); break;
+      case kQ4_1: mm_impl<LegacyUnsigned<kQ4_1>>(op, ldo, xp, M, K, w, N, bp); break;
+      case kQ5_0: mm_impl<LegacyUnsigned<kQ5_0>>(op, ldo, xp, M, K, w, N, bp); break;
+      case kQ8_0: mm_impl<Q8_0Kernel>(op, ldo, xp, M, K, w, N, bp); break;
+      case kQ4_K: mm_impl<KQuant45<kQ4_K>>(op, ldo, xp, M, K, w, N, bp); break;
+      case kQ5_K: mm_impl<KQuant45<kQ5_K>>(op, ldo, xp, M, K, w, N, bp); break;
+      case kQ6_K: mm_impl<Q6_KKernel>(op, ldo, xp, M, K, w, N, bp); break;
       default: break;  // checked_layout rejected it
     }
   });

@@ -25,6 +25,7 @@ at::Tensor argmax_rows(const at::Tensor& logits);
 // ggml_quants.cpp (ggml types: Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14)
 at::Tensor ggml_dequantize(const at::Tensor& raw, int64_t ggml_type, int64_t cols, at::ScalarType dtype,
                            int64_t group);
-void ggml_mm(at::Tensor& out, const at::Tensor& x, const at::Tensor& raw, int64_t ggml_type, int64_t group);
+void ggml_mm(at::Tensor& out, const at::Tensor& x, const at::Tensor& raw, int64_t ggml_type, int64_t group,
+             const std::optional<at::Tensor>& bias);
 
 }  // namespace qwenserve::cpu

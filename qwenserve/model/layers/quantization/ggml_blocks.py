@@ -70,6 +70,10 @@ class GGMLBlockLinearMethod(LinearMethod):
         if layer.ggml_ops is not None:
             layer.segments = [(offset, segment.grouped() if isinstance(segment, GGMLTensor) else segment)
                               for offset, segment in _merge_adjacent(layer.segments)]
+            # the decode path's ggml_mm arguments, made once (None: a segment kept dense needs the general path)
+            layer.kernel_bias = getattr(layer, "bias", None)
+            calls = [_kernel_call(layer, offset, segment) for offset, segment in layer.segments]
+            layer.kernel_calls = None if None in calls else calls
             return
         weight = torch.zeros(layer.output_size, layer.input_size, dtype=layer.weight_dtype, device=layer.weight_device)
         for offset, segment in layer.segments:
@@ -87,6 +91,12 @@ class GGMLBlockLinearMethod(LinearMethod):
         ops = layer.ggml_ops
         x = x.contiguous() if layer.input_order is None else x.index_select(1, layer.input_order)
         out = x.new_empty(x.shape[0], layer.output_size)
+        if x.shape[0] < layer.dense_from_rows and layer.kernel_calls is not None and bias is layer.kernel_bias:
+            # few rows, every segment a kernel call (decode): the bias rides in the kernel, and a segment that is
+            # the whole output writes it without a slice (both measurable at batch 1)
+            for rows_slice, raw, ggml_type, group, segment_bias in layer.kernel_calls:
+                ops.ggml_mm(out if rows_slice is None else out[:, rows_slice], x, raw, ggml_type, group, segment_bias)
+            return out
         dense = x.shape[0] >= layer.dense_from_rows
         x_dense = x.to(layer.dense_dtype) if dense else None
         for offset, segment in layer.segments:
@@ -100,6 +110,19 @@ class GGMLBlockLinearMethod(LinearMethod):
         if bias is not None:
             out += bias
         return out
+
+
+def _kernel_call(layer: nn.Module, offset: int, segment) -> tuple | None:
+    """(output columns, or None for all of them; raw, type, group; the float32 slice of layer.kernel_bias or None):
+    one segment's ggml_mm arguments. None for a segment of dense rows (kept unquantized)."""
+    if not isinstance(segment, GGMLTensor):
+        return None
+    rows = segment.shape[0]
+    bias = layer.kernel_bias
+    if bias is not None:
+        bias = bias.detach()[offset:offset + rows].float().contiguous()
+    whole = offset == 0 and rows == layer.output_size
+    return None if whole else slice(offset, offset + rows), segment.raw, int(segment.ggml_type), segment.group, bias
 
 
 def _dense_by_slices(out: torch.Tensor, x: torch.Tensor, segment: GGMLTensor, ops) -> None:
