@@ -10,8 +10,6 @@ groups, made contiguous at load). Without the kernels (CUDA, no C++ compiler) th
 at load (the loader warns)."""
 from __future__ import annotations
 
-import sys
-
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
