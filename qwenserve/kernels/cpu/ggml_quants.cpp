@@ -680,7 +680,8 @@ void dot8(const uint8_t* w, int64_t nb, const typename Kernel::Act* const* y, fl
 // row at the end: per pair of rows and block, one vector of 64 codes (the pair's blocks, their nibbles split by one
 // masked shift), Q5_0's fifth bits added under a 64-bit mask, one u8 x s8 dot product against the activation block
 // (duplicated to match), and one fma with the two rows' scales. The offsets (-8, -16) and Q4_1's min term are one
-// 8-row fma per block. On 2 AVX-512 cores without VNNI, a Q5_0 [9728, 896] at M = 1: see the commit message.
+// 8-row fma per block. Measured at one activation row on 2 AVX-512 cores without VNNI (Xeon, 2.0 GHz): Q5_0
+// [9728, 896] 1.15 ms with dot8, 0.71 ms with this.
 template <typename Kernel, int R>
 void dot8_legacy512(const uint8_t* w, int64_t nb, const ActQ8_0* const* y, float (*res)[8]) {
   constexpr int64_t kAhead = 4096, kGroupBytes = 8 * Kernel::kBytes;
