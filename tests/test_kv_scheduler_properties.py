@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from qwenserve.core.kv_cache_manager import KVCacheManager
 from qwenserve.core.request import Sequence, Status
-from qwenserve.core.scheduler import Scheduler
+from qwenserve.core.scheduler import PIPELINED_STEP_TOKENS, Scheduler
 from qwenserve.core.step import ModelRunnerOutput
 from qwenserve.sample.sampling_params import SamplingParams
 
@@ -162,3 +162,22 @@ def test_random_operations_keep_blocks_consistent(ops, num_blocks, budget, max_s
     event(f"prefix hits: {h.kv.hits > 0}")
     assert all(c == 0 for c in h.kv.ref_cnt)
     assert h.kv.num_free_blocks == h.kv.num_blocks  # every block is free or (evictable) cached
+
+
+def test_pipelined_steps_prefill_in_smaller_steps():
+    """With two steps in flight a long prompt is prefilled in steps of at most PIPELINED_STEP_TOKENS (so the
+    pipeline's stages overlap on it); with one in flight, in one step up to the whole budget."""
+    for concurrent, expected in ((1, [4 * PIPELINED_STEP_TOKENS]), (2, [PIPELINED_STEP_TOKENS] * 4)):
+        h = Harness(num_blocks=600, budget=4096, max_seqs=4, prefix_caching=False, concurrent=concurrent)
+        sizes = []
+        schedule = h.sched.schedule
+
+        def recording_schedule():
+            out = schedule()
+            sizes.append(out.total_num_scheduled_tokens)
+            return out
+        h.sched.schedule = recording_schedule
+        h.add(4 * PIPELINED_STEP_TOKENS, 1, 0, 1)
+        while h.requests:
+            h.step()
+        assert [n for n in sizes if n] == expected

@@ -22,6 +22,11 @@ from qwenserve.core.kv_cache_manager import KVCacheManager
 from qwenserve.core.request import Sequence, Status
 from qwenserve.core.step import CachedSequenceData, ModelRunnerOutput, NewSequenceData, SchedulerOutput
 
+# With several steps in flight (pipeline parallel), the tokens one step may take. A prefill step's first stage
+# runs while the later ones wait for it, and its last stage runs while the earlier ones have nothing more: the
+# smaller the steps, the shorter that fill and drain. 512 rows still take the quantized layers' dense route.
+PIPELINED_STEP_TOKENS = 512
+
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
@@ -29,6 +34,8 @@ class Scheduler:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.step_tokens = (max_num_batched_tokens if max_concurrent_batches == 1
+                            else min(max_num_batched_tokens, PIPELINED_STEP_TOKENS))
         self.max_concurrent_batches = max_concurrent_batches
         self.in_flight: set[int] = set()  # ids of sequences in a scheduled step whose output is not back
         self.waiting: deque[Sequence] = deque()
@@ -50,7 +57,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         # the ended ids go with the next step that runs (an empty one is not sent; see _add_to_batch)
         out = SchedulerOutput(finished_seq_ids=self._finished_ids)
-        budget = self.max_num_batched_tokens
+        budget = self.step_tokens
         seats = self._batch_seats()
         memory_tight = False
         i = 0
