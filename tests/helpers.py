@@ -161,6 +161,16 @@ def save_gguf(model, path: str, quant: str = "Q8_0", overrides: dict[str, str] |
     return path
 
 
+def dense_route_from(model, rows: int = 64) -> int:
+    """Every block-quantized layer of `model` dequantizes and runs dense from `rows` activation rows (or from its
+    own, lower, threshold): some CPUs never take that route on their own (the VNNI tile kernel beats it). Returns
+    the rows a batch needs to take it everywhere."""
+    layers = [m for m in model.modules() if hasattr(m, "dense_from_rows")]
+    for layer in layers:
+        layer.dense_from_rows = min(layer.dense_from_rows, rows)
+    return max(layer.dense_from_rows for layer in layers)
+
+
 def record_preemptions(llm) -> list[str]:
     """The request ids the engine's scheduler preempts from now on, in order (the list fills as it runs)."""
     preempted = []

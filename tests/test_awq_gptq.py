@@ -14,7 +14,7 @@ import os
 
 import pytest
 import torch
-from helpers import save_hf_dir, tiny_hf_model
+from helpers import dense_route_from, save_hf_dir, tiny_hf_model
 from safetensors.torch import load_file, save_file
 
 from qwenserve import LLM, SamplingParams, kernels
@@ -186,7 +186,7 @@ def test_loaded_weights_follow_the_formula_and_logits_the_dense_model(ops, tmp_p
             torch.testing.assert_close(weight, want, atol=2e-4, rtol=0)
 
     # (b) logits: prefill-sized batches run the dequantized blocks dense, decode-sized ones int8 dot products
-    many = list(range(3, 3 + qkv.dense_from_rows + 6))
+    many = list(range(3, 3 + dense_route_from(model) + 6))
     tol = 1e-4 if exact_only else 1e-2
     torch.testing.assert_close(full_logits(model, many), full_logits(exact, many), atol=tol, rtol=tol)
     few = list(range(9, 41))

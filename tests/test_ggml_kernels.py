@@ -2,6 +2,7 @@
 ggml_mm (a linear layer on quantized weights, activations quantized per row to q8_0 / q8_K as ggml does) against a
 float64 reference of the same quantization, and against F.linear on the dequantized weight."""
 import hashlib
+import os
 import platform
 import subprocess
 import sys
@@ -172,7 +173,8 @@ def test_mm_many_rows_and_threads(ops, qtype):
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
 def test_decode_layout_gives_the_same_bits(ops, qtype):
     """The decode layout (rows in groups of 8, a block of each side by side) holds the same bytes, dequantizes to
-    the same values and gives the same products up to float summation order (its kernel sums 8 rows at once)."""
+    the same values and gives the same products up to float summation order (its kernels sum 8 rows at once; from
+    4 activation rows on CPUs with AVX512-VNNI, 16 activation rows at a time: 17 and 35 leave remainders)."""
     k = 512 if GGML_QUANT_SIZES[qtype][0] == 256 else 96
     raw = random_blocks(qtype, 40, k, seed=int(qtype) + 5, scale=0.02)
     flat = GGMLTensor.from_bytes(raw, qtype, (40, k))
@@ -183,7 +185,7 @@ def test_decode_layout_gives_the_same_bits(ops, qtype):
     assert torch.equal(ops.ggml_dequantize(grouped.raw, int(qtype), k, torch.float32, DECODE_GROUP),
                        ops.ggml_dequantize(raw, int(qtype), k, torch.float32))
     w = reference_dequant(raw, qtype, k).double()
-    for m in (1, 3, 6):
+    for m in (1, 3, 6, 17, 35):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
         want, got = torch.empty(m, 40), torch.empty(m, 40)
         ops.ggml_mm(want, x, raw, int(qtype))
@@ -203,18 +205,20 @@ def test_mm_adds_a_bias_before_rounding(ops, qtype):
     k = 256
     raw = random_blocks(qtype, 16, k, seed=3, scale=0.02)
     grouped = GGMLTensor.from_bytes(raw, qtype, (16, k)).grouped().raw
-    x = torch.randn(2, k, generator=torch.Generator().manual_seed(4))
     bias = torch.randn(16, generator=torch.Generator().manual_seed(5))
-    for weights, group in ((raw, 1), (grouped, DECODE_GROUP)):
-        plain, biased = torch.empty(2, 16), torch.empty(2, 16)
-        ops.ggml_mm(plain, x, weights, int(qtype), group)
-        ops.ggml_mm(biased, x, weights, int(qtype), group, bias)
-        assert torch.equal(biased, plain + bias)
-        rounded = torch.empty(2, 16, dtype=torch.bfloat16)
-        ops.ggml_mm(rounded, x.bfloat16(), weights, int(qtype), group, bias)
-        plain_bf16 = torch.empty(2, 16)
-        ops.ggml_mm(plain_bf16, x.bfloat16().float(), weights, int(qtype), group)
-        assert torch.equal(rounded, (plain_bf16 + bias).bfloat16())
+    for rows in (2, 5):  # 5: the tile kernel where the CPU has it
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(4))
+        for weights, group in ((raw, 1), (grouped, DECODE_GROUP)):
+            plain, biased = torch.empty(rows, 16), torch.empty(rows, 16)
+            ops.ggml_mm(plain, x, weights, int(qtype), group)
+            ops.ggml_mm(biased, x, weights, int(qtype), group, bias)
+            assert torch.equal(biased, plain + bias)
+            rounded = torch.empty(rows, 16, dtype=torch.bfloat16)
+            ops.ggml_mm(rounded, x.bfloat16(), weights, int(qtype), group, bias)
+            plain_bf16 = torch.empty(rows, 16)
+            ops.ggml_mm(plain_bf16, x.bfloat16().float(), weights, int(qtype), group)
+            assert torch.equal(rounded, (plain_bf16 + bias).bfloat16())
+    x = torch.randn(2, k, generator=torch.Generator().manual_seed(4))
     with pytest.raises(RuntimeError, match="bias must be a contiguous float32 vector of 16"):
         ops.ggml_mm(torch.empty(2, 16), x, raw, int(qtype), 1, bias.bfloat16())
 
@@ -298,3 +302,14 @@ def test_portable_path_computes_the_same(ops, tmp_path):
         xq, _ = quantize_ref(x, Q(qtype))
         magnitude = xq.abs() @ w.abs().T
         assert ((got.double() - y.double()).abs() <= 1e-5 * magnitude + output_ulp(x.dtype) * y.double().abs()).all()
+
+
+def test_the_tile_kernel_is_built_where_the_cpu_has_vnni(ops):
+    """ggml_mm's tile kernel (many activation rows, AVX512-VNNI) is compiled in exactly where the CPU has the
+    instructions (the build is -march=native), for the 32-blocks only."""
+    if platform.machine() not in ("x86_64", "AMD64") or not os.path.exists("/proc/cpuinfo"):
+        pytest.skip("reads the x86 CPU flags from /proc/cpuinfo")
+    flags = set(open("/proc/cpuinfo").read().split())
+    has = {"avx512f", "avx512bw", "avx512_vnni"} <= flags
+    assert [ops.ggml_mm_tiles(int(t)) for t in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0)] == [has] * 4
+    assert not any(ops.ggml_mm_tiles(int(t)) for t in (Q.Q4_K, Q.Q5_K, Q.Q6_K))

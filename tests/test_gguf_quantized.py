@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from helpers import save_gguf, save_hf_dir, tiny_hf_model
+from helpers import dense_route_from, save_gguf, save_hf_dir, tiny_hf_model
 
 from qwenserve import LLM, kernels
 from qwenserve.config.errors import ConfigError
@@ -58,7 +58,7 @@ def test_logits_follow_the_exact_path(ops, mixed_gguf):
     exact = LoadedModel(mixed_gguf, dtype="float32", quantization="none").model
     quantized = LoadedModel(mixed_gguf, dtype="float32", quantization="gguf").model
     # prefill-sized: the blocks are dequantized and run dense, as the exact path runs them
-    many = list(range(3, 3 + quantized.lm_head.dense_from_rows + 6))
+    many = list(range(3, 3 + dense_route_from(quantized) + 6))
     torch.testing.assert_close(full_logits(quantized, many), full_logits(exact, many), atol=1e-4, rtol=1e-4)
     # decode-sized: int8 dot products on quantized activations, close, and the same next-token choices mostly
     few = list(range(9, 49))

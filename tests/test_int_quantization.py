@@ -5,7 +5,7 @@ through the engine."""
 import pytest
 import torch
 from gguf import GGML_QUANT_SIZES
-from helpers import save_gguf, save_hf_dir, tiny_hf_model
+from helpers import dense_route_from, save_gguf, save_hf_dir, tiny_hf_model
 
 from qwenserve import LLM, SamplingParams, kernels
 from qwenserve.model.loader.ggml_tensor import GGMLTensor
@@ -67,7 +67,7 @@ def test_logits_equal_the_dense_model_on_the_rounded_weights(ops, hf_dir, method
         for name, layer in quantized_layers(model).items():
             params[f"{name}.weight"].copy_(layer.segments[0][1].dequantize())
     # prefill-sized: the blocks are dequantized and run dense, as the rounded dense model runs
-    many = list(range(3, 3 + model.lm_head.dense_from_rows + 6))
+    many = list(range(3, 3 + dense_route_from(model) + 6))
     torch.testing.assert_close(full_logits(model, many), full_logits(rounded, many), atol=1e-4, rtol=1e-4)
     # decode-sized: int8 dot products on activations quantized per block of 32
     few = list(range(9, 41))

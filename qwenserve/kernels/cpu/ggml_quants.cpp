@@ -58,6 +58,12 @@
 #else
 #define QS_GGML_AVX512 0
 #endif
+// AVX512-VNNI adds the tile kernel for many activation rows (mm_tiles)
+#if QS_GGML_AVX512 && defined(__AVX512VNNI__)
+#define QS_GGML_TILES 1
+#else
+#define QS_GGML_TILES 0
+#endif
 
 namespace qwenserve::cpu {
 namespace {
@@ -675,6 +681,26 @@ void dot8(const uint8_t* w, int64_t nb, const typename Kernel::Act* const* y, fl
 #endif
 
 #if QS_GGML_AVX512
+// The codes of two consecutive rows' blocks (r0 at p, r1 at p + kBytes) in one vector of 64 bytes. 128-bit
+// lanes: r0's codes 0..15, r1's 0..15, r0's 16..31, r1's 16..31 (for Q4_0, Q4_1, Q5_0: r0's packed bytes, r1's,
+// r0's, r1's, then the low nibbles kept in lanes 0-1 and the high nibbles in lanes 2-3).
+template <typename Kernel>
+inline __m512i pair_codes(const uint8_t* r0) {
+  const uint8_t* r1 = r0 + Kernel::kBytes;
+  const __m512i low4 = _mm512_set1_epi8(0x0F), fifth = _mm512_set1_epi8(0x10);
+  __m512i q = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r0 + Kernel::kQs)));
+  q = _mm512_mask_broadcast_i32x4(q, 0xF0F0, _mm_loadu_si128(reinterpret_cast<const __m128i*>(r1 + Kernel::kQs)));
+  q = _mm512_and_si512(_mm512_mask_srli_epi16(q, 0xFFFF0000u, q, 4), low4);
+  if constexpr (Kernel::kOff == 16) {  // Q5_0: code byte j of the vector gets 16 where its fifth bit is set
+    uint32_t h0, h1;
+    std::memcpy(&h0, r0 + 2, 4);
+    std::memcpy(&h1, r1 + 2, 4);
+    const uint64_t low_halves = (h0 & 0xFFFFu) | (h1 << 16), high_halves = (h0 >> 16) | (h1 & 0xFFFF0000u);
+    q = _mm512_mask_add_epi8(q, static_cast<__mmask64>(low_halves | (high_halves << 32)), q, fifth);
+  }
+  return q;
+}
+
 // Q4_0, Q4_1 and Q5_0 in the decode layout, 512 bits wide. Where dot8 reduces every block's 8 rows to 8 lanes
 // (a hadd tree per block), this keeps each row's partial sums in float lanes across all blocks and reduces once per
 // row at the end: per pair of rows and block, one vector of 64 codes (the pair's blocks, their nibbles split by one
@@ -685,7 +711,6 @@ void dot8(const uint8_t* w, int64_t nb, const typename Kernel::Act* const* y, fl
 template <typename Kernel, int R>
 void dot8_legacy512(const uint8_t* w, int64_t nb, const ActQ8_0* const* y, float (*res)[8]) {
   constexpr int64_t kAhead = 4096, kGroupBytes = 8 * Kernel::kBytes;
-  const __m512i low4 = _mm512_set1_epi8(0x0F), fifth = _mm512_set1_epi8(0x10);
   // the 4 lanes of 4 int32 that pair p's dot product gives: rows 2p, 2p + 1, 2p, 2p + 1 -> their scales' index
   __m512i scale_index[4];
   for (int p = 0; p < 4; ++p) {
@@ -718,20 +743,7 @@ void dot8_legacy512(const uint8_t* w, int64_t nb, const ActQ8_0* const* y, float
         extra[i] = _mm256_fmadd_ps(d, _mm256_set1_ps(-a.d * static_cast<float>(Kernel::kOff * a.sum)), extra[i]);
     }
     for (int p = 0; p < 4; ++p) {
-      const uint8_t* r0 = blk + 2 * p * Kernel::kBytes;
-      const uint8_t* r1 = r0 + Kernel::kBytes;
-      // 128-bit lanes: row r0's packed bytes, row r1's, r0's, r1's; then the low nibbles in lanes 0-1 and the
-      // high nibbles in lanes 2-3, matching act's weights 0..15 and 16..31
-      __m512i q = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r0 + Kernel::kQs)));
-      q = _mm512_mask_broadcast_i32x4(q, 0xF0F0, _mm_loadu_si128(reinterpret_cast<const __m128i*>(r1 + Kernel::kQs)));
-      q = _mm512_and_si512(_mm512_mask_srli_epi16(q, 0xFFFF0000u, q, 4), low4);
-      if constexpr (Kernel::kOff == 16) {  // Q5_0: code byte j of the vector gets 16 where its fifth bit is set
-        uint32_t h0, h1;
-        std::memcpy(&h0, r0 + 2, 4);
-        std::memcpy(&h1, r1 + 2, 4);
-        const uint64_t low_halves = (h0 & 0xFFFFu) | (h1 << 16), high_halves = (h0 >> 16) | (h1 & 0xFFFF0000u);
-        q = _mm512_mask_add_epi8(q, static_cast<__mmask64>(low_halves | (high_halves << 32)), q, fifth);
-      }
+      const __m512i q = pair_codes<Kernel>(blk + 2 * p * Kernel::kBytes);
       for (int i = 0; i < R; ++i) {
 #if defined(__AVX512VNNI__)
         const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, act[i]);
@@ -754,6 +766,100 @@ void dot8_legacy512(const uint8_t* w, int64_t nb, const ActQ8_0* const* y, float
     _mm256_storeu_ps(res[i], _mm256_add_ps(_mm256_permutevar8x32_ps(rows, row_order), extra[i]));
   }
 }
+
+#if QS_GGML_TILES
+// Q4_0, Q4_1, Q5_0 and Q8_0 in the decode layout against many activation rows (batched decode, prefill), with
+// AVX512-VNNI. A group of 8 weight rows is decoded once per call into 4 vectors per block, vector j holding codes
+// 8j..8j+7 of each of the 8 rows (row r in qword r): one activation row's qword j, broadcast, then meets all 8
+// rows in one u8 x s8 dot product, and 4 of them give the block's sums for the 8 rows in 16 int32 lanes (lane 2r + t:
+// row r's quads of parity t). Per activation row and block that is 4 dot products, one conversion and one fma
+// with the rows' scales times the activation's, where the decode kernel (dot8_legacy512) needs 4 of each. The
+// codes are unsigned (Q8_0's moved up by 128); their offset enters as the dot products' starting value, -off
+// times the activation block's sums over each lane's quads.
+struct TileBlock {   // one block of a group of 8 rows, decoded
+  __m512i codes[4];  // vector j: qword r = row r's codes 8j..8j+7
+  __m512 scale;      // lanes 2r and 2r + 1: row r's d
+  __m512 min;        // Q4_1: lane 2r row r's m, lane 2r + 1 zero
+};
+
+template <typename Kernel>
+constexpr int32_t kTileOffset = Kernel::kOff;
+template <>
+constexpr int32_t kTileOffset<Q8_0Kernel> = 128;
+
+template <typename Kernel>
+inline void decode_tile_block(const uint8_t* blk, TileBlock& t) {
+  __m512i pair[4];  // rows 2p and 2p + 1, as pair_codes lays them out
+  for (int p = 0; p < 4; ++p) {
+    const uint8_t* r0 = blk + 2 * p * Kernel::kBytes;
+    if constexpr (std::is_same_v<Kernel, Q8_0Kernel>) {
+      const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(load32(r0 + 2)), load32(r0 + Kernel::kBytes + 2), 1);
+      pair[p] = _mm512_xor_si512(_mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0)), _mm512_set1_epi8(-128));
+    } else {
+      pair[p] = pair_codes<Kernel>(r0);
+    }
+  }
+  // pair qwords: row 2p's codes 8j.. at 4 (j / 2) + j % 2, row 2p + 1's two further on
+  const __m512i first = _mm512_setr_epi64(0, 2, 8, 10, 1, 3, 9, 11), second = _mm512_setr_epi64(4, 6, 12, 14, 5, 7, 13, 15);
+  const __m512i a01 = _mm512_permutex2var_epi64(pair[0], first, pair[1]);  // j = 0, 1 of rows 0-3
+  const __m512i b01 = _mm512_permutex2var_epi64(pair[2], first, pair[3]);  // j = 0, 1 of rows 4-7
+  const __m512i a23 = _mm512_permutex2var_epi64(pair[0], second, pair[1]);
+  const __m512i b23 = _mm512_permutex2var_epi64(pair[2], second, pair[3]);
+  t.codes[0] = _mm512_shuffle_i64x2(a01, b01, 0x44);
+  t.codes[1] = _mm512_shuffle_i64x2(a01, b01, 0xEE);
+  t.codes[2] = _mm512_shuffle_i64x2(a23, b23, 0x44);
+  t.codes[3] = _mm512_shuffle_i64x2(a23, b23, 0xEE);
+  const __m512i twice = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  t.scale = _mm512_permutexvar_ps(twice, _mm512_castps256_ps512(fp16x8(blk + Kernel::kScaleAt, Kernel::kBytes)));
+  if constexpr (Kernel::kHasMinTerm)
+    t.min = _mm512_maskz_permutexvar_ps(0x5555, twice,
+                                        _mm512_castps256_ps512(fp16x8(blk + Kernel::kMinScaleAt, Kernel::kBytes)));
+}
+
+// R activation rows (block b of row i at act[i * nb + b], its starting value at start[i * nb + b]) against one
+// decoded group: res[i][r] = row r . activation row i
+template <typename Kernel, int R>
+void tile_rows(const TileBlock* tile, int64_t nb, const ActQ8_0* act, const int64_t* start, float (*res)[8]) {
+  __m512 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const TileBlock& t = tile[b];
+    for (int i = 0; i < R; ++i) {
+      const ActQ8_0& a = act[i * nb + b];
+      __m512i s = _mm512_set1_epi64(start[i * nb + b]);
+      for (int j = 0; j < 4; ++j) {
+        int64_t quads;
+        std::memcpy(&quads, a.qs + 8 * j, 8);
+        s = _mm512_dpbusd_epi32(s, t.codes[j], _mm512_set1_epi64(quads));
+      }
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(t.scale, _mm512_set1_ps(a.d)), acc[i]);
+      if constexpr (Kernel::kHasMinTerm)
+        acc[i] = _mm512_fmadd_ps(t.min, _mm512_set1_ps(a.d * static_cast<float>(a.sum)), acc[i]);
+    }
+  }
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 0, 0, 0, 0, 0, 0, 0);
+  for (int i = 0; i < R; ++i) {
+    const __m512 pairs = _mm512_add_ps(acc[i], _mm512_permute_ps(acc[i], 0xB1));  // lane 2r: row r's two lanes
+    _mm256_storeu_ps(res[i], _mm512_castps512_ps256(_mm512_permutexvar_ps(even, pairs)));
+  }
+}
+
+// The starting values: per activation block, -off x (its sums over quads 0, 2, 4, 6 and over 1, 3, 5, 7), as the
+// low and high int32 of one int64 (the lanes 2r and 2r + 1 it is broadcast to)
+inline int64_t tile_start(const ActQ8_0& a, int32_t off) {
+  int32_t sums[2] = {0, 0};
+  for (int j = 0; j < 32; ++j) sums[(j / 4) % 2] += a.qs[j];
+  const uint32_t lo = static_cast<uint32_t>(-off * sums[0]), hi = static_cast<uint32_t>(-off * sums[1]);
+  return static_cast<int64_t>((static_cast<uint64_t>(hi) << 32) | lo);
+}
+
+template <typename Kernel>
+constexpr bool kTiles = false;
+template <int64_t Type>
+constexpr bool kTiles<LegacyUnsigned<Type>> = true;
+template <>
+constexpr bool kTiles<Q8_0Kernel> = true;
+#endif
 
 template <typename Kernel>
 constexpr bool kWide512 = false;
@@ -926,6 +1032,44 @@ struct Layout {
   int64_t block_stride() const { return group * block_bytes; }
 };
 
+#if QS_GGML_TILES
+constexpr int64_t kTileMinRows = 4;  // below this many activation rows the decode kernels stream the weights faster
+constexpr int kTileRows = 16;        // activation rows per pass over a decoded group (their sums stay in registers)
+
+// out[M, N] from weights in the decode layout, a group of 8 rows at a time: decoded once (tile_block's layout,
+// a few KiB per group), then swept by the activation rows kTileRows at a time
+template <typename Kernel, typename T>
+void mm_tiles(T* out, int64_t ldo, const ActQ8_0* act, int64_t M, int64_t nb, const Layout& w, int64_t N,
+              const float* bias) {
+  std::vector<int64_t> start(static_cast<size_t>(M * nb));
+  for (int64_t k = 0; k < M * nb; ++k) start[k] = tile_start(act[k], kTileOffset<Kernel>);
+  at::parallel_for(0, N / 8, 1, [&](int64_t g0, int64_t g1) {
+    std::vector<TileBlock> tile(static_cast<size_t>(nb));
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint8_t* group = w.row(8 * g);
+      for (int64_t b = 0; b < nb; ++b) decode_tile_block<Kernel>(group + b * 8 * Kernel::kBytes, tile[b]);
+      for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
+        const int r = static_cast<int>(std::min<int64_t>(kTileRows, M - m0));
+        float res[kTileRows][8];
+        const ActQ8_0* a = act + m0 * nb;
+        const int64_t* st = start.data() + m0 * nb;
+        switch (r) {
+#define QS_TILE_CASE(n) case n: tile_rows<Kernel, n>(tile.data(), nb, a, st, res); break;
+          QS_TILE_CASE(16) QS_TILE_CASE(15) QS_TILE_CASE(14) QS_TILE_CASE(13) QS_TILE_CASE(12) QS_TILE_CASE(11)
+          QS_TILE_CASE(10) QS_TILE_CASE(9) QS_TILE_CASE(8) QS_TILE_CASE(7) QS_TILE_CASE(6) QS_TILE_CASE(5)
+          QS_TILE_CASE(4) QS_TILE_CASE(3) QS_TILE_CASE(2) QS_TILE_CASE(1)
+#undef QS_TILE_CASE
+          default: break;
+        }
+        for (int i = 0; i < r; ++i)
+          for (int k = 0; k < 8; ++k)
+            out[(m0 + i) * ldo + 8 * g + k] = from_float<T>(bias ? res[i][k] + bias[8 * g + k] : res[i][k]);
+      }
+    }
+  });
+}
+#endif
+
 template <typename Kernel, typename T>
 void mm_impl(T* out, int64_t ldo, const T* x, int64_t M, int64_t K, const Layout& w, int64_t N, const float* bias) {
   using Act = typename Kernel::Act;
@@ -933,6 +1077,14 @@ void mm_impl(T* out, int64_t ldo, const T* x, int64_t M, int64_t K, const Layout
   std::vector<Act> act(static_cast<size_t>(M * nb));
   quantize_rows(x, M, K, act.data());
 #if QS_GGML_AVX2
+#if QS_GGML_TILES
+  if constexpr (kTiles<Kernel>) {
+    if (w.group == kDecodeGroup && M >= kTileMinRows) {
+      mm_tiles<Kernel>(out, ldo, act.data(), M, nb, w, N, bias);
+      return;
+    }
+  }
+#endif
   if (w.group == kDecodeGroup) {  // a group of 8 weight rows at a time, against up to 4 activation rows
     at::parallel_for(0, N / 8, 2, [&](int64_t g0, int64_t g1) {
       for (int64_t g = g0; g < g1; ++g)
@@ -1075,6 +1227,10 @@ void ggml_mm(at::Tensor& out, const at::Tensor& x, const at::Tensor& raw, int64_
       default: break;  // checked_layout rejected it
     }
   });
+}
+
+bool ggml_mm_tiles(int64_t ggml_type) {
+  return QS_GGML_TILES && (ggml_type == kQ4_0 || ggml_type == kQ4_1 || ggml_type == kQ5_0 || ggml_type == kQ8_0);
 }
 
 }  // namespace qwenserve::cpu

@@ -27,5 +27,7 @@ at::Tensor ggml_dequantize(const at::Tensor& raw, int64_t ggml_type, int64_t col
                            int64_t group);
 void ggml_mm(at::Tensor& out, const at::Tensor& x, const at::Tensor& raw, int64_t ggml_type, int64_t group,
              const std::optional<at::Tensor>& bias);
+// whether ggml_mm has the VNNI tile kernel for this type (weights in the decode layout, 4 or more activation rows)
+bool ggml_mm_tiles(int64_t ggml_type);
 
 }  // namespace qwenserve::cpu

@@ -17,6 +17,7 @@ TORCH_LIBRARY(qwenserve, m) {
         "Tensor context_lens, float scale, Tensor? k_scales=None, Tensor? v_scales=None) -> ()");
   m.def("ggml_dequantize(Tensor raw, int ggml_type, int cols, ScalarType dtype, int group=1) -> Tensor");
   m.def("ggml_mm(Tensor(a!) out, Tensor x, Tensor raw, int ggml_type, int group=1, Tensor? bias=None) -> ()");
+  m.def("ggml_mm_tiles(int ggml_type) -> bool", &qwenserve::cpu::ggml_mm_tiles);  // no tensor: no dispatch key
 }
 
 TORCH_LIBRARY_IMPL(qwenserve, CPU, m) {
