@@ -313,3 +313,20 @@ def test_the_tile_kernel_is_built_where_the_cpu_has_vnni(ops):
     has = {"avx512f", "avx512bw", "avx512_vnni"} <= flags
     assert [ops.ggml_mm_tiles(int(t)) for t in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0)] == [has] * 4
     assert not any(ops.ggml_mm_tiles(int(t)) for t in (Q.Q4_K, Q.Q5_K, Q.Q6_K))
+
+
+def test_activations_round_half_away_from_zero_as_ggml(ops):
+    """Activation codes are round(x / d) with ties away from zero (ggml's quantize_row_q8_0_ref, roundf): with
+    d = 1 (max |x| = 127) and Q8_0 weight rows that pick one input each, the outputs are the codes themselves, on
+    the decode kernels (1 row) and the tile kernel (5 rows) alike."""
+    x = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.49, 100.5, -100.5, 0.49, -0.51] + [0.0] * 20)
+    want = torch.tensor([127.0, 1, 2, 3, -1, -2, -3, 3, 101, -101, 0, -1] + [0.0] * 20)
+    blocks = torch.zeros(32, 34, dtype=torch.uint8)
+    blocks[:, 1] = 0x3C  # d = 1.0 in fp16
+    blocks[torch.arange(32), 2 + torch.arange(32)] = 1  # row j: code 1 at input j
+    grouped = GGMLTensor.from_bytes(blocks, Q.Q8_0, (32, 32)).grouped()
+    for rows in (1, 5):
+        for raw, group in ((blocks, 1), (grouped.raw, DECODE_GROUP)):
+            out = torch.empty(rows, 32)
+            ops.ggml_mm(out, x.repeat(rows, 1), raw, int(Q.Q8_0), group)
+            assert torch.equal(out, want.repeat(rows, 1)), (rows, group, out[0])
