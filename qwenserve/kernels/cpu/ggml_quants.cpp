@@ -832,14 +832,17 @@ inline void decode_tile_block(const uint8_t* blk, TileBlock& t) {
   for (int p = 0; p < 4; ++p) {
     const uint8_t* r0 = blk + 2 * p * Kernel::kBytes;
     if constexpr (std::is_same_v<Kernel, Q8_0Kernel>) {
-      const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(load32(r0 + 2)), load32(r0 + Kernel::kBytes + 2), 1);
+      const __m512i both =
+          _mm512_inserti64x4(_mm512_castsi256_si512(load32(r0 + 2)), load32(r0 + Kernel::kBytes + 2), 1);
+      // 128-bit lanes r0 lo, r1 lo, r0 hi, r1 hi (pair_codes' order); codes q + 128, unsigned
       pair[p] = _mm512_xor_si512(_mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0)), _mm512_set1_epi8(-128));
     } else {
       pair[p] = pair_codes<Kernel>(r0);
     }
   }
   // pair qwords: row 2p's codes 8j.. at 4 (j / 2) + j % 2, row 2p + 1's two further on
-  const __m512i first = _mm512_setr_epi64(0, 2, 8, 10, 1, 3, 9, 11), second = _mm512_setr_epi64(4, 6, 12, 14, 5, 7, 13, 15);
+  const __m512i first = _mm512_setr_epi64(0, 2, 8, 10, 1, 3, 9, 11);
+  const __m512i second = _mm512_setr_epi64(4, 6, 12, 14, 5, 7, 13, 15);
   const __m512i a01 = _mm512_permutex2var_epi64(pair[0], first, pair[1]);  // j = 0, 1 of rows 0-3
   const __m512i b01 = _mm512_permutex2var_epi64(pair[2], first, pair[3]);  // j = 0, 1 of rows 4-7
   const __m512i a23 = _mm512_permutex2var_epi64(pair[0], second, pair[1]);

@@ -10,6 +10,8 @@ groups, made contiguous at load). Without the kernels (CUDA, no C++ compiler) th
 at load (the loader warns)."""
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
@@ -54,7 +56,7 @@ def tiles_dense_from_rows() -> int:
     so the dense route (which dequantizes first) never pays there. AMX multiplies bf16 several times faster; where
     it is present the dense route is kept from 512 rows (not measured: no AMX machine was at hand)."""
     amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
-    return 512 if amx else 1 << 62
+    return 512 if amx else sys.maxsize
 
 
 def _tiles_cover(layer: nn.Module) -> bool:
