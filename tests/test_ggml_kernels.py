@@ -174,7 +174,8 @@ def test_mm_many_rows_and_threads(ops, qtype):
 def test_decode_layout_gives_the_same_bits(ops, qtype):
     """The decode layout (rows in groups of 8, a block of each side by side) holds the same bytes, dequantizes to
     the same values and gives the same products up to float summation order (its kernels sum 8 rows at once; from
-    4 activation rows on CPUs with AVX512-VNNI, 16 activation rows at a time: 17 and 35 leave remainders)."""
+    4 activation rows (K-quants: 8) on CPUs with AVX512-VNNI, 16 activation rows at a time: 17 and 35 leave
+    remainders)."""
     k = 512 if GGML_QUANT_SIZES[qtype][0] == 256 else 96
     raw = random_blocks(qtype, 40, k, seed=int(qtype) + 5, scale=0.02)
     flat = GGMLTensor.from_bytes(raw, qtype, (40, k))
@@ -306,13 +307,13 @@ def test_portable_path_computes_the_same(ops, tmp_path):
 
 def test_the_tile_kernel_is_built_where_the_cpu_has_vnni(ops):
     """ggml_mm's tile kernel (many activation rows, AVX512-VNNI) is compiled in exactly where the CPU has the
-    instructions (the build is -march=native), for the 32-blocks only."""
+    instructions (the build is -march=native), for every type ggml_mm runs."""
     if platform.machine() not in ("x86_64", "AMD64") or not os.path.exists("/proc/cpuinfo"):
         pytest.skip("reads the x86 CPU flags from /proc/cpuinfo")
     flags = set(open("/proc/cpuinfo").read().split())
     has = {"avx512f", "avx512bw", "avx512_vnni"} <= flags
-    assert [ops.ggml_mm_tiles(int(t)) for t in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0)] == [has] * 4
-    assert not any(ops.ggml_mm_tiles(int(t)) for t in (Q.Q4_K, Q.Q5_K, Q.Q6_K))
+    assert [ops.ggml_mm_tiles(int(t)) for t in TYPES] == [has] * len(TYPES)
+    assert not ops.ggml_mm_tiles(int(Q.Q2_K))
 
 
 def test_activations_round_half_away_from_zero_as_ggml(ops):

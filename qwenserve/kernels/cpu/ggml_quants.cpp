@@ -826,20 +826,8 @@ constexpr int32_t kTileOffset = Kernel::kOff;
 template <>
 constexpr int32_t kTileOffset<Q8_0Kernel> = 128;
 
-template <typename Kernel>
-inline void decode_tile_block(const uint8_t* blk, TileBlock& t) {
-  __m512i pair[4];  // rows 2p and 2p + 1, as pair_codes lays them out
-  for (int p = 0; p < 4; ++p) {
-    const uint8_t* r0 = blk + 2 * p * Kernel::kBytes;
-    if constexpr (std::is_same_v<Kernel, Q8_0Kernel>) {
-      const __m512i both =
-          _mm512_inserti64x4(_mm512_castsi256_si512(load32(r0 + 2)), load32(r0 + Kernel::kBytes + 2), 1);
-      // 128-bit lanes r0 lo, r1 lo, r0 hi, r1 hi (pair_codes' order); codes q + 128, unsigned
-      pair[p] = _mm512_xor_si512(_mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0)), _mm512_set1_epi8(-128));
-    } else {
-      pair[p] = pair_codes<Kernel>(r0);
-    }
-  }
+// 32 codes of each of 8 rows, as 4 pairs of rows in pair_codes' layout -> out[j]: qword r = row r's codes 8j..8j+7
+inline void interleave_rows(const __m512i* pair, __m512i* out) {
   // pair qwords: row 2p's codes 8j.. at 4 (j / 2) + j % 2, row 2p + 1's two further on
   const __m512i first = _mm512_setr_epi64(0, 2, 8, 10, 1, 3, 9, 11);
   const __m512i second = _mm512_setr_epi64(4, 6, 12, 14, 5, 7, 13, 15);
@@ -847,10 +835,30 @@ inline void decode_tile_block(const uint8_t* blk, TileBlock& t) {
   const __m512i b01 = _mm512_permutex2var_epi64(pair[2], first, pair[3]);  // j = 0, 1 of rows 4-7
   const __m512i a23 = _mm512_permutex2var_epi64(pair[0], second, pair[1]);
   const __m512i b23 = _mm512_permutex2var_epi64(pair[2], second, pair[3]);
-  t.codes[0] = _mm512_shuffle_i64x2(a01, b01, 0x44);
-  t.codes[1] = _mm512_shuffle_i64x2(a01, b01, 0xEE);
-  t.codes[2] = _mm512_shuffle_i64x2(a23, b23, 0x44);
-  t.codes[3] = _mm512_shuffle_i64x2(a23, b23, 0xEE);
+  out[0] = _mm512_shuffle_i64x2(a01, b01, 0x44);
+  out[1] = _mm512_shuffle_i64x2(a01, b01, 0xEE);
+  out[2] = _mm512_shuffle_i64x2(a23, b23, 0x44);
+  out[3] = _mm512_shuffle_i64x2(a23, b23, 0xEE);
+}
+
+// two rows' 32 codes (one 256-bit vector each) in pair_codes' layout: 128-bit lanes r0 lo, r1 lo, r0 hi, r1 hi
+inline __m512i pair_of(__m256i r0, __m256i r1) {
+  const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(r0), r1, 1);
+  return _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));
+}
+
+template <typename Kernel>
+inline void decode_tile_block(const uint8_t* blk, TileBlock& t) {
+  __m512i pair[4];  // rows 2p and 2p + 1, as pair_codes lays them out
+  for (int p = 0; p < 4; ++p) {
+    const uint8_t* r0 = blk + 2 * p * Kernel::kBytes;
+    if constexpr (std::is_same_v<Kernel, Q8_0Kernel>) {  // codes q + 128, unsigned
+      pair[p] = _mm512_xor_si512(pair_of(load32(r0 + 2), load32(r0 + Kernel::kBytes + 2)), _mm512_set1_epi8(-128));
+    } else {
+      pair[p] = pair_codes<Kernel>(r0);
+    }
+  }
+  interleave_rows(pair, t.codes);
   const __m512i twice = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
   t.scale = _mm512_permutexvar_ps(twice, _mm512_castps256_ps512(fp16x8(blk + Kernel::kScaleAt, Kernel::kBytes)));
   if constexpr (Kernel::kHasMinTerm)
@@ -858,25 +866,123 @@ inline void decode_tile_block(const uint8_t* blk, TileBlock& t) {
                                         _mm512_castps256_ps512(fp16x8(blk + Kernel::kMinScaleAt, Kernel::kBytes)));
 }
 
+// Q4_K, Q5_K and Q6_K the same way, a super-block (256 weights) of 8 rows at a time: 32 code vectors as above, and
+// per sub-block (8 of 32, or Q6_K's 16 of 16) its 8 rows' integer scales, which multiply the sub-block's dot
+// products (vpmulld) before they are summed over the super-block. The term the activations' sub-block sums carry
+// (the K-quants' mins, Q6_K's offset 32 times its scales) is one int16-pair dot product (vpdpwssd) per 4 sub-blocks:
+// lane 2r + t holds row r's values for sub-blocks 4u + 2t and 4u + 2t + 1, against the broadcast sums of 4u .. 4u + 3.
+struct TileSuperBlock {
+  __m512i codes[32];                   // vector q: qword r = row r's codes 8q..8q+7
+  alignas(64) int32_t scales[16][16];  // sub-block s: lanes 2r, 2r + 1 = row r's scale
+  alignas(64) int32_t pairs[4][16];    // lane 2r + t of u: row r's (mins or scales) 4u + 2t, 4u + 2t + 1 as int16
+  __m512 d, dmin;                      // lanes 2r, 2r + 1: row r's d (dmin: Q4_K, Q5_K)
+};
+
+template <typename Kernel>
+inline void decode_tile_block(const uint8_t* blk, TileSuperBlock& t) {
+  constexpr bool kQ6 = std::is_same_v<Kernel, Q6_KKernel>;
+  __m256i chunk[8][8];  // row, 32-code chunk
+  alignas(32) float d[8], dmin[8];
+  for (int r = 0; r < 8; ++r) {
+    const uint8_t* rb = blk + r * Kernel::kBytes;
+    int32_t pair_values[16];  // the values paired for vpdpwssd: Q6_K's 16 scales, or the 8 mins
+    if constexpr (kQ6) {
+      const typename Kernel::Codes c = Kernel::decode(rb);
+      for (int i = 0; i < 8; ++i) chunk[r][i] = c.q[i];
+      for (int j = 0; j < 16; ++j) pair_values[j] = t.scales[j][2 * r] = t.scales[j][2 * r + 1] =
+          static_cast<int8_t>(rb[192 + j]);
+      d[r] = fp16_at(rb + 208);
+      dmin[r] = 0.0f;
+    } else {
+      const typename Kernel::Codes c = Kernel::decode(rb);
+      for (int k = 0; k < 4; ++k) {
+        chunk[r][2 * k] = c.lo[k];
+        chunk[r][2 * k + 1] = c.hi[k];
+      }
+      for (int j = 0; j < 8; ++j) {
+        t.scales[j][2 * r] = t.scales[j][2 * r + 1] = c.scales[j];
+        pair_values[j] = c.scales[8 + j];
+        pair_values[8 + j] = 0;
+      }
+      d[r] = fp16_at(rb);
+      dmin[r] = fp16_at(rb + 2);
+    }
+    for (int u = 0; u < 4; ++u)
+      for (int tt = 0; tt < 2; ++tt) {
+        const int j = 4 * u + 2 * tt;
+        t.pairs[u][2 * r + tt] = static_cast<int32_t>((static_cast<uint32_t>(pair_values[j]) & 0xFFFFu) |
+                                                      (static_cast<uint32_t>(pair_values[j + 1]) << 16));
+      }
+  }
+  for (int c = 0; c < 8; ++c) {
+    const __m512i pair[4] = {pair_of(chunk[0][c], chunk[1][c]), pair_of(chunk[2][c], chunk[3][c]),
+                             pair_of(chunk[4][c], chunk[5][c]), pair_of(chunk[6][c], chunk[7][c])};
+    interleave_rows(pair, t.codes + 4 * c);
+  }
+  const __m512i twice = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  t.d = _mm512_permutexvar_ps(twice, _mm512_castps256_ps512(_mm256_load_ps(d)));
+  t.dmin = _mm512_permutexvar_ps(twice, _mm512_castps256_ps512(_mm256_load_ps(dmin)));
+}
+
+inline __m512i broadcast_qword(const void* p) {
+  int64_t v;
+  std::memcpy(&v, p, 8);
+  return _mm512_set1_epi64(v);
+}
+
+// One activation row against a decoded super-block: the 16 lanes, to be scaled by d (and the mins by dmin)
+template <typename Kernel>
+inline __m512 tile_superblock(const TileSuperBlock& t, const ActQ8_K& a) {
+  __m512i isum = _mm512_setzero_si512(), pairs = _mm512_setzero_si512();
+  if constexpr (std::is_same_v<Kernel, Q6_KKernel>) {
+    for (int j = 0; j < 16; ++j) {  // sub-block of 16: code vectors 2j, 2j + 1
+      __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), t.codes[2 * j], broadcast_qword(a.qs + 16 * j));
+      p = _mm512_dpbusd_epi32(p, t.codes[2 * j + 1], broadcast_qword(a.qs + 16 * j + 8));
+      isum = _mm512_add_epi32(isum, _mm512_mullo_epi32(p, _mm512_load_si512(t.scales[j])));
+    }
+    for (int u = 0; u < 4; ++u)  // sum_j sc[j] bsums[j], taken 32 times: the codes' offset
+      pairs = _mm512_dpwssd_epi32(pairs, _mm512_load_si512(t.pairs[u]), broadcast_qword(a.bsums + 4 * u));
+    isum = _mm512_sub_epi32(isum, _mm512_slli_epi32(pairs, 5));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(t.d, _mm512_set1_ps(a.d)));
+  } else {
+    for (int s = 0; s < 8; ++s) {  // sub-block of 32: code vectors 4s .. 4s + 3
+      __m512i p = _mm512_setzero_si512();
+      for (int j = 0; j < 4; ++j)
+        p = _mm512_dpbusd_epi32(p, t.codes[4 * s + j], broadcast_qword(a.qs + 32 * s + 8 * j));
+      isum = _mm512_add_epi32(isum, _mm512_mullo_epi32(p, _mm512_load_si512(t.scales[s])));
+    }
+    for (int u = 0; u < 2; ++u)  // sum_s m[s] bsums32[s]
+      pairs = _mm512_dpwssd_epi32(pairs, _mm512_load_si512(t.pairs[u]), broadcast_qword(a.bsums32 + 4 * u));
+    const __m512 da = _mm512_set1_ps(a.d);
+    return _mm512_fnmadd_ps(_mm512_cvtepi32_ps(pairs), _mm512_mul_ps(t.dmin, da),
+                            _mm512_mul_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(t.d, da)));
+  }
+}
+
 // R activation rows (block b of row i at act[i * nb + b], its starting value at start[i * nb + b]) against one
 // decoded group: res[i][r] = row r . activation row i
-template <typename Kernel, int R>
-void tile_rows(const TileBlock* tile, int64_t nb, const ActQ8_0* act, const int64_t* start, float (*res)[8]) {
+template <typename Kernel, int R, typename Tile>
+void tile_rows(const Tile* tile, int64_t nb, const typename Kernel::Act* act, const int64_t* start,
+               float (*res)[8]) {
   __m512 acc[R];
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const TileBlock& t = tile[b];
-    for (int i = 0; i < R; ++i) {
-      const ActQ8_0& a = act[i * nb + b];
-      __m512i s = _mm512_set1_epi64(start[i * nb + b]);
-      for (int j = 0; j < 4; ++j) {
-        int64_t quads;
-        std::memcpy(&quads, a.qs + 8 * j, 8);
-        s = _mm512_dpbusd_epi32(s, t.codes[j], _mm512_set1_epi64(quads));
+    const Tile& t = tile[b];
+    if constexpr (Kernel::kBlock == 256) {
+      for (int i = 0; i < R; ++i) acc[i] = _mm512_add_ps(acc[i], tile_superblock<Kernel>(t, act[i * nb + b]));
+    } else {
+      for (int i = 0; i < R; ++i) {
+        const ActQ8_0& a = act[i * nb + b];
+        __m512i s = _mm512_set1_epi64(start[i * nb + b]);
+        for (int j = 0; j < 4; ++j) {
+          int64_t quads;
+          std::memcpy(&quads, a.qs + 8 * j, 8);
+          s = _mm512_dpbusd_epi32(s, t.codes[j], _mm512_set1_epi64(quads));
+        }
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(t.scale, _mm512_set1_ps(a.d)), acc[i]);
+        if constexpr (Kernel::kHasMinTerm)
+          acc[i] = _mm512_fmadd_ps(t.min, _mm512_set1_ps(a.d * static_cast<float>(a.sum)), acc[i]);
       }
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(t.scale, _mm512_set1_ps(a.d)), acc[i]);
-      if constexpr (Kernel::kHasMinTerm)
-        acc[i] = _mm512_fmadd_ps(t.min, _mm512_set1_ps(a.d * static_cast<float>(a.sum)), acc[i]);
     }
   }
   const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 0, 0, 0, 0, 0, 0, 0);
@@ -899,6 +1005,10 @@ template <int64_t Type>
 constexpr bool kTiles<LegacyUnsigned<Type>> = true;
 template <>
 constexpr bool kTiles<Q8_0Kernel> = true;
+template <int64_t Type>
+constexpr bool kTiles<KQuant45<Type>> = true;
+template <>
+constexpr bool kTiles<Q6_KKernel> = true;
 #endif
 
 template <typename Kernel>
@@ -1073,26 +1183,33 @@ struct Layout {
 };
 
 #if QS_GGML_TILES
-constexpr int64_t kTileMinRows = 4;  // below this many activation rows the decode kernels stream the weights faster
+// below this many activation rows the decode kernels stream the weights faster (Q6_K [896, 4864] at 4 rows: 0.179 ms
+// in tiles, 0.144 in dot8; at 8 rows 0.213 and 0.267)
+template <typename Kernel>
+constexpr int64_t kTileMinRows = Kernel::kBlock == 256 ? 8 : 4;
 constexpr int kTileRows = 16;        // activation rows per pass over a decoded group (their sums stay in registers)
 
 // out[M, N] from weights in the decode layout, a group of 8 rows at a time: decoded once (tile_block's layout,
 // a few KiB per group), then swept by the activation rows kTileRows at a time
 template <typename Kernel, typename T>
-void mm_tiles(T* out, int64_t ldo, const ActQ8_0* act, int64_t M, int64_t nb, const Layout& w, int64_t N,
-              const float* bias) {
-  std::vector<int64_t> start(static_cast<size_t>(M * nb));
-  for (int64_t k = 0; k < M * nb; ++k) start[k] = tile_start(act[k], kTileOffset<Kernel>);
+void mm_tiles(T* out, int64_t ldo, const typename Kernel::Act* act, int64_t M, int64_t nb, const Layout& w,
+              int64_t N, const float* bias) {
+  using Tile = std::conditional_t<Kernel::kBlock == 256, TileSuperBlock, TileBlock>;
+  std::vector<int64_t> start;  // the 32-blocks' starting values (the K-quants need none)
+  if constexpr (Kernel::kBlock == 32) {
+    start.resize(static_cast<size_t>(M * nb));
+    for (int64_t k = 0; k < M * nb; ++k) start[k] = tile_start(act[k], kTileOffset<Kernel>);
+  }
   at::parallel_for(0, N / 8, 1, [&](int64_t g0, int64_t g1) {
-    std::vector<TileBlock> tile(static_cast<size_t>(nb));
+    std::vector<Tile> tile(static_cast<size_t>(nb));
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* group = w.row(8 * g);
       for (int64_t b = 0; b < nb; ++b) decode_tile_block<Kernel>(group + b * 8 * Kernel::kBytes, tile[b]);
       for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
         const int r = static_cast<int>(std::min<int64_t>(kTileRows, M - m0));
         float res[kTileRows][8];
-        const ActQ8_0* a = act + m0 * nb;
-        const int64_t* st = start.data() + m0 * nb;
+        const typename Kernel::Act* a = act + m0 * nb;
+        const int64_t* st = start.empty() ? nullptr : start.data() + m0 * nb;
         switch (r) {
 #define QS_TILE_CASE(n) case n: tile_rows<Kernel, n>(tile.data(), nb, a, st, res); break;
           QS_TILE_CASE(16) QS_TILE_CASE(15) QS_TILE_CASE(14) QS_TILE_CASE(13) QS_TILE_CASE(12) QS_TILE_CASE(11)
@@ -1119,7 +1236,7 @@ void mm_impl(T* out, int64_t ldo, const T* x, int64_t M, int64_t K, const Layout
 #if QS_GGML_AVX2
 #if QS_GGML_TILES
   if constexpr (kTiles<Kernel>) {
-    if (w.group == kDecodeGroup && M >= kTileMinRows) {
+    if (w.group == kDecodeGroup && M >= kTileMinRows<Kernel>) {
       mm_tiles<Kernel>(out, ldo, act.data(), M, nb, w, N, bias);
       return;
     }
@@ -1270,7 +1387,10 @@ void ggml_mm(at::Tensor& out, const at::Tensor& x, const at::Tensor& raw, int64_
 }
 
 bool ggml_mm_tiles(int64_t ggml_type) {
-  return QS_GGML_TILES && (ggml_type == kQ4_0 || ggml_type == kQ4_1 || ggml_type == kQ5_0 || ggml_type == kQ8_0);
+  switch (ggml_type) {
+    case kQ4_0: case kQ4_1: case kQ5_0: case kQ8_0: case kQ4_K: case kQ5_K: case kQ6_K: return QS_GGML_TILES;
+    default: return false;
+  }
 }
 
 }  // namespace qwenserve::cpu

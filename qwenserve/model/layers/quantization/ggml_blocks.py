@@ -49,22 +49,28 @@ def dense_route(dtype: torch.dtype) -> tuple[int, torch.dtype]:
     return 128, torch.float32
 
 
-def tiles_dense_from_rows() -> int:
-    """From how many rows the dense route beats ggml_mm's VNNI tile kernel, for a layer whose every segment it
-    covers. Measured on 2 cores of an AMD EPYC with AVX512-VNNI and -BF16, Q5_0 [9728, 896]: the tile kernel took
-    1.05 / 2.49 / 9.5 ms at 32 / 128 / 512 rows, a bf16 matmul on weights already dequantized 1.13 / 2.76 / 9.8,
-    so the dense route (which dequantizes first) never pays there. AMX multiplies bf16 several times faster; where
-    it is present the dense route is kept from 512 rows (not measured: no AMX machine was at hand)."""
-    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
-    return 512 if amx else sys.maxsize
+# The types whose tile kernel beats the dense route at any row count (without AMX); the K-quants' does up to about
+# 64 rows. Measured on 2 cores of an AMD EPYC with AVX512-VNNI and -BF16, ms at 32 / 128 / 512 rows, tile kernel
+# against dequantize + bf16 matmul: Q5_0 [9728, 896] 1.05 / 2.49 / 9.5 against 1.13 / 2.76 / 9.8 for the matmul
+# alone; Q6_K [896, 4864] 0.54 / 1.99 / 7.65 against 0.72 / 1.60 / 5.39 (crossing at about 64); Q4_K 0.51 / 1.59 /
+# 6.37 against 0.73 / 1.57 / 5.42.
+TILES_BEAT_DENSE = {Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0}
+K_QUANT_TILES_DENSE_FROM_ROWS = 64
 
 
-def _tiles_cover(layer: nn.Module) -> bool:
-    """Whether ggml_mm's tile kernel runs every segment of the layer (types it has, in the decode layout)."""
+def tiles_dense_from_rows(layer: nn.Module) -> int | None:
+    """From how many rows the layer should take the dense route, given ggml_mm's VNNI tile kernel; None where the
+    tile kernel does not run every segment (or AMX, several times faster at bf16, is there for the K-quants).
+    With AMX the 32-block types keep the dense route from 512 rows (not measured: no AMX machine was at hand)."""
     tiles = getattr(layer.ggml_ops, "ggml_mm_tiles", None)
-    return tiles is not None and all(
-        isinstance(segment, GGMLTensor) and segment.group != 1 and tiles(int(segment.ggml_type))
-        for _, segment in layer.segments)
+    segments = [segment for _, segment in layer.segments]
+    if tiles is None or not all(isinstance(s, GGMLTensor) and s.group != 1 and tiles(int(s.ggml_type))
+                                for s in segments):
+        return None
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    if all(s.ggml_type in TILES_BEAT_DENSE for s in segments):
+        return 512 if amx else sys.maxsize
+    return None if amx else K_QUANT_TILES_DENSE_FROM_ROWS
 
 
 _DENSE = UnquantizedLinearMethod()  # what a dequantized layer runs
@@ -92,8 +98,9 @@ class GGMLBlockLinearMethod(LinearMethod):
             layer.kernel_bias = getattr(layer, "bias", None)
             calls = [_kernel_call(layer, offset, segment) for offset, segment in layer.segments]
             layer.kernel_calls = None if None in calls else calls
-            if _tiles_cover(layer):
-                layer.dense_from_rows = tiles_dense_from_rows()
+            tile_rows = tiles_dense_from_rows(layer)
+            if tile_rows is not None:
+                layer.dense_from_rows = max(layer.dense_from_rows, tile_rows)
             return
         weight = torch.zeros(layer.output_size, layer.input_size, dtype=layer.weight_dtype, device=layer.weight_device)
         for offset, segment in layer.segments:
