@@ -13,7 +13,8 @@
 // decoded weight block serves up to 4 activation rows. At one activation row (decode) weights held in the decode
 // layout (rows in groups of 8, a block of each side by side: see Layout) go 8 rows at a time, read ahead in
 // software: measured on 2 AVX2 cores with the bundled model's weights from memory, 1.0x (Q6_K) to 1.5x (Q5_0) the
-// speed of row by row in the file's layout.
+// speed of row by row in the file's layout. With AVX512-VNNI, from 4 activation rows (K-quants: 8) a group of 8
+// weight rows is decoded once per call and swept by all activation rows, 16 at a time (mm_tiles).
 //
 // Block layouts (ggml-common.h; all fields little-endian, fp16 = IEEE half):
 //   Q4_0  18 B: d fp16, qs[16]: weight j = qs[j] & 15, weight j+16 = qs[j] >> 4;          x = d (q - 8)
