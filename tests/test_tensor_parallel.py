@@ -29,6 +29,9 @@ def _rank_logits(rank: int, world: int, port: int, path: str, quantization: str,
                            quantization=quantization_scheme(quantization))
         logits = full_logits(model, IDS)
         out.put((rank, logits.numpy()))  # by value: a shared tensor dies with this process
+        # every rank done before any tears gloo down: a rank that left first has aborted a slower one at exit
+        # ("terminate called without an active exception", seen once on a loaded machine)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
