@@ -177,8 +177,18 @@ def test_decode_layout_gives_the_same_bits(ops, qtype):
     4 activation rows (K-quants: 8) on CPUs with AVX512-VNNI, 16 activation rows at a time: 17 and 35 leave
     remainders)."""
     k = 512 if GGML_QUANT_SIZES[qtype][0] == 256 else 96
+    for n in (40, 48):  # 48: the 32-blocks' 16-row tiles from 16 activation rows
+        _check_decode_layout(ops, qtype, n, k)
+    # 12 rows do not divide into groups of 8: they stay in the file's layout, and the kernel refuses to group them
     raw = random_blocks(qtype, 40, k, seed=int(qtype) + 5, scale=0.02)
-    flat = GGMLTensor.from_bytes(raw, qtype, (40, k))
+    assert GGMLTensor.from_bytes(raw, qtype, (40, k)).narrow(0, 0, 12).grouped().group == 1
+    with pytest.raises(RuntimeError, match="multiple of 8 rows"):
+        ops.ggml_mm(torch.empty(1, 12), torch.randn(1, k), raw[:12].contiguous(), int(qtype), DECODE_GROUP)
+
+
+def _check_decode_layout(ops, qtype, n, k):
+    raw = random_blocks(qtype, n, k, seed=int(qtype) + n, scale=0.02)
+    flat = GGMLTensor.from_bytes(raw, qtype, (n, k))
     grouped = flat.grouped()
     assert grouped.group == DECODE_GROUP and grouped.nbytes == flat.nbytes and not torch.equal(grouped.raw, raw)
     assert torch.equal(grouped.in_file_layout().raw, raw)
@@ -188,15 +198,11 @@ def test_decode_layout_gives_the_same_bits(ops, qtype):
     w = reference_dequant(raw, qtype, k).double()
     for m in (1, 3, 6, 17, 35):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-        want, got = torch.empty(m, 40), torch.empty(m, 40)
+        want, got = torch.empty(m, n), torch.empty(m, n)
         ops.ggml_mm(want, x, raw, int(qtype))
         ops.ggml_mm(got, x, grouped.raw, int(qtype), DECODE_GROUP)
         xq, _ = quantize_ref(x, qtype)
-        assert ((got.double() - want.double()).abs() <= 1e-5 * (xq.abs() @ w.abs().T)).all()
-    # 12 rows do not divide into groups of 8: they stay in the file's layout, and the kernel refuses to group them
-    assert flat.narrow(0, 0, 12).grouped().group == 1
-    with pytest.raises(RuntimeError, match="multiple of 8 rows"):
-        ops.ggml_mm(torch.empty(1, 12), torch.randn(1, k), raw[:12].contiguous(), int(qtype), DECODE_GROUP)
+        assert ((got.double() - want.double()).abs() <= 1e-5 * (xq.abs() @ w.abs().T)).all(), (n, m)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q8_0, Q.Q6_K], ids=lambda q: q.name)
@@ -207,7 +213,7 @@ def test_mm_adds_a_bias_before_rounding(ops, qtype):
     raw = random_blocks(qtype, 16, k, seed=3, scale=0.02)
     grouped = GGMLTensor.from_bytes(raw, qtype, (16, k)).grouped().raw
     bias = torch.randn(16, generator=torch.Generator().manual_seed(5))
-    for rows in (2, 5):  # 5: the tile kernel where the CPU has it
+    for rows in (2, 5, 17):  # 5, 17: the tile kernels where the CPU has them
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(4))
         for weights, group in ((raw, 1), (grouped, DECODE_GROUP)):
             plain, biased = torch.empty(rows, 16), torch.empty(rows, 16)
@@ -319,14 +325,14 @@ def test_the_tile_kernel_is_built_where_the_cpu_has_vnni(ops):
 def test_activations_round_half_away_from_zero_as_ggml(ops):
     """Activation codes are round(x / d) with ties away from zero (ggml's quantize_row_q8_0_ref, roundf): with
     d = 1 (max |x| = 127) and Q8_0 weight rows that pick one input each, the outputs are the codes themselves, on
-    the decode kernels (1 row) and the tile kernel (5 rows) alike."""
+    the decode kernels (1 row) and the tile kernels (5 and 17 rows) alike."""
     x = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.49, 100.5, -100.5, 0.49, -0.51] + [0.0] * 20)
     want = torch.tensor([127.0, 1, 2, 3, -1, -2, -3, 3, 101, -101, 0, -1] + [0.0] * 20)
     blocks = torch.zeros(32, 34, dtype=torch.uint8)
     blocks[:, 1] = 0x3C  # d = 1.0 in fp16
     blocks[torch.arange(32), 2 + torch.arange(32)] = 1  # row j: code 1 at input j
     grouped = GGMLTensor.from_bytes(blocks, Q.Q8_0, (32, 32)).grouped()
-    for rows in (1, 5):
+    for rows in (1, 5, 17):
         for raw, group in ((blocks, 1), (grouped.raw, DECODE_GROUP)):
             out = torch.empty(rows, 32)
             ops.ggml_mm(out, x.repeat(rows, 1), raw, int(Q.Q8_0), group)

@@ -993,6 +993,80 @@ void tile_rows(const Tile* tile, int64_t nb, const typename Kernel::Act* act, co
   }
 }
 
+// From 16 activation rows the 32-blocks go 16 weight rows at a time, one row per int32 lane: vector q holds quad q
+// (codes 4q..4q+3) of 16 rows, and an activation row's quad q, broadcast, meets them in one vpdpbusd. Per
+// activation row and block that is 8 dot products, one conversion and one fma for 16 rows, against 4 + 1 + 1 for 8
+// rows above; the lanes need no pair sum at the end, and the offset is -off x the block's sum.
+struct TileBlock16 {
+  __m512i codes[8];  // vector q: lane r = row r's codes 4q..4q+3
+  __m512 scale;      // lane r: row r's d
+  __m512 min;        // Q4_1: lane r: row r's m
+};
+
+// 16 rows' 32 codes (a 256-bit vector each) -> out[q]: lane r = dword q of row r
+inline void transpose_16x8(const __m256i* rows, __m512i* out) {
+  __m512i z[8], t[8], u[8];
+  for (int r = 0; r < 8; ++r) z[r] = _mm512_inserti64x4(_mm512_castsi256_si512(rows[r]), rows[r + 8], 1);
+  for (int k = 0; k < 4; ++k) {  // 128-bit lanes: dwords 0..3 / 4..7 of rows 2k, 2k + 1 interleaved
+    t[2 * k] = _mm512_unpacklo_epi32(z[2 * k], z[2 * k + 1]);
+    t[2 * k + 1] = _mm512_unpackhi_epi32(z[2 * k], z[2 * k + 1]);
+  }
+  for (int h = 0; h < 2; ++h) {  // rows 4h .. 4h + 3 (and 8 + those in the upper half): dword d in 128-bit lane
+    const __m512i* th = t + 4 * h;
+    u[4 * h + 0] = _mm512_unpacklo_epi64(th[0], th[2]);  // d = 0 (lanes 0, 2), 4 (lanes 1, 3)
+    u[4 * h + 1] = _mm512_unpackhi_epi64(th[0], th[2]);  // 1, 5
+    u[4 * h + 2] = _mm512_unpacklo_epi64(th[1], th[3]);  // 2, 6
+    u[4 * h + 3] = _mm512_unpackhi_epi64(th[1], th[3]);  // 3, 7
+  }
+  const __m512i low = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), high = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+  for (int d = 0; d < 4; ++d) {
+    out[d] = _mm512_permutex2var_epi64(u[d], low, u[4 + d]);
+    out[d + 4] = _mm512_permutex2var_epi64(u[d], high, u[4 + d]);
+  }
+}
+
+// rows: 16 weight rows' block b, rows 0-7 from one group of the decode layout and 8-15 from the next
+template <typename Kernel>
+inline void decode_tile_block16(const uint8_t* g0, const uint8_t* g1, TileBlock16& t) {
+  __m256i rows[16];
+  for (int r = 0; r < 16; ++r) {
+    const uint8_t* blk = (r < 8 ? g0 : g1) + (r % 8) * Kernel::kBytes;
+    if constexpr (std::is_same_v<Kernel, Q8_0Kernel>)
+      rows[r] = _mm256_xor_si256(load32(blk + 2), _mm256_set1_epi8(-128));  // q + 128, unsigned
+    else
+      rows[r] = Kernel::decode(blk).q;
+  }
+  transpose_16x8(rows, t.codes);
+  auto both = [](__m256 lo, __m256 hi) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
+  };
+  t.scale = both(fp16x8(g0 + Kernel::kScaleAt, Kernel::kBytes), fp16x8(g1 + Kernel::kScaleAt, Kernel::kBytes));
+  if constexpr (Kernel::kHasMinTerm)
+    t.min = both(fp16x8(g0 + Kernel::kMinScaleAt, Kernel::kBytes), fp16x8(g1 + Kernel::kMinScaleAt, Kernel::kBytes));
+}
+
+template <typename Kernel, int R>
+void tile16_rows(const TileBlock16* tile, int64_t nb, const ActQ8_0* act, float (*res)[16]) {
+  __m512 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const TileBlock16& t = tile[b];
+    for (int i = 0; i < R; ++i) {
+      const ActQ8_0& a = act[i * nb + b];
+      __m512i s = _mm512_set1_epi32(-kTileOffset<Kernel> * a.sum);
+      for (int q = 0; q < 8; ++q) {
+        int32_t quad;
+        std::memcpy(&quad, a.qs + 4 * q, 4);
+        s = _mm512_dpbusd_epi32(s, t.codes[q], _mm512_set1_epi32(quad));
+      }
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(t.scale, _mm512_set1_ps(a.d)), acc[i]);
+      if constexpr (Kernel::kHasMinTerm)
+        acc[i] = _mm512_fmadd_ps(t.min, _mm512_set1_ps(a.d * static_cast<float>(a.sum)), acc[i]);
+    }
+  }
+  for (int i = 0; i < R; ++i) _mm512_storeu_ps(res[i], acc[i]);
+}
+
 // The starting values: per activation block, -off x (its sums over quads 0, 2, 4, 6 and over 1, 3, 5, 7), as the
 // low and high int32 of one int64 (the lanes 2r and 2r + 1 it is broadcast to)
 inline int64_t tile_start(const ActQ8_0& a, int32_t off) {
@@ -1190,6 +1264,39 @@ template <typename Kernel>
 constexpr int64_t kTileMinRows = Kernel::kBlock == 256 ? 8 : 4;
 constexpr int kTileRows = 16;        // activation rows per pass over a decoded group (their sums stay in registers)
 
+// mm_tiles' 16-row form for the 32-blocks (N a multiple of 16, kTile16MinRows rows or more)
+constexpr int64_t kTile16MinRows = 16;
+
+template <typename Kernel, typename T>
+void mm_tiles16(T* out, int64_t ldo, const ActQ8_0* act, int64_t M, int64_t nb, const Layout& w, int64_t N,
+                const float* bias) {
+  at::parallel_for(0, N / 16, 1, [&](int64_t g0, int64_t g1) {
+    std::vector<TileBlock16> tile(static_cast<size_t>(nb));
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint8_t* first = w.row(16 * g);
+      const uint8_t* second = w.row(16 * g + 8);
+      for (int64_t b = 0; b < nb; ++b)
+        decode_tile_block16<Kernel>(first + b * 8 * Kernel::kBytes, second + b * 8 * Kernel::kBytes, tile[b]);
+      for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
+        const int r = static_cast<int>(std::min<int64_t>(kTileRows, M - m0));
+        float res[kTileRows][16];
+        const ActQ8_0* a = act + m0 * nb;
+        switch (r) {
+#define QS_TILE_CASE(n) case n: tile16_rows<Kernel, n>(tile.data(), nb, a, res); break;
+          QS_TILE_CASE(16) QS_TILE_CASE(15) QS_TILE_CASE(14) QS_TILE_CASE(13) QS_TILE_CASE(12) QS_TILE_CASE(11)
+          QS_TILE_CASE(10) QS_TILE_CASE(9) QS_TILE_CASE(8) QS_TILE_CASE(7) QS_TILE_CASE(6) QS_TILE_CASE(5)
+          QS_TILE_CASE(4) QS_TILE_CASE(3) QS_TILE_CASE(2) QS_TILE_CASE(1)
+#undef QS_TILE_CASE
+          default: break;
+        }
+        for (int i = 0; i < r; ++i)
+          for (int k = 0; k < 16; ++k)
+            out[(m0 + i) * ldo + 16 * g + k] = from_float<T>(bias ? res[i][k] + bias[16 * g + k] : res[i][k]);
+      }
+    }
+  });
+}
+
 // out[M, N] from weights in the decode layout, a group of 8 rows at a time: decoded once (tile_block's layout,
 // a few KiB per group), then swept by the activation rows kTileRows at a time
 template <typename Kernel, typename T>
@@ -1237,6 +1344,12 @@ void mm_impl(T* out, int64_t ldo, const T* x, int64_t M, int64_t K, const Layout
 #if QS_GGML_AVX2
 #if QS_GGML_TILES
   if constexpr (kTiles<Kernel>) {
+    if constexpr (Kernel::kBlock == 32) {
+      if (w.group == kDecodeGroup && M >= kTile16MinRows && N % 16 == 0) {
+        mm_tiles16<Kernel>(out, ldo, act.data(), M, nb, w, N, bias);
+        return;
+      }
+    }
     if (w.group == kDecodeGroup && M >= kTileMinRows<Kernel>) {
       mm_tiles<Kernel>(out, ldo, act.data(), M, nb, w, N, bias);
       return;
