@@ -42,6 +42,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "ops.h"
@@ -960,6 +961,16 @@ inline __m512 tile_superblock(const TileSuperBlock& t, const ActQ8_K& a) {
   }
 }
 
+// acc + a block's integer sums (lanes as the tile lays its rows out) times the rows' d and the activation's d, plus
+// Q4_1's min term
+template <typename Kernel, typename Tile>
+inline __m512 add_scaled_block(__m512 acc, __m512i sums, const Tile& t, const ActQ8_0& a) {
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(t.scale, _mm512_set1_ps(a.d)), acc);
+  if constexpr (Kernel::kHasMinTerm)
+    acc = _mm512_fmadd_ps(t.min, _mm512_set1_ps(a.d * static_cast<float>(a.sum)), acc);
+  return acc;
+}
+
 // R activation rows (block b of row i at act[i * nb + b], its starting value at start[i * nb + b]) against one
 // decoded group: res[i][r] = row r . activation row i
 template <typename Kernel, int R, typename Tile>
@@ -980,9 +991,7 @@ void tile_rows(const Tile* tile, int64_t nb, const typename Kernel::Act* act, co
           std::memcpy(&quads, a.qs + 8 * j, 8);
           s = _mm512_dpbusd_epi32(s, t.codes[j], _mm512_set1_epi64(quads));
         }
-        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(t.scale, _mm512_set1_ps(a.d)), acc[i]);
-        if constexpr (Kernel::kHasMinTerm)
-          acc[i] = _mm512_fmadd_ps(t.min, _mm512_set1_ps(a.d * static_cast<float>(a.sum)), acc[i]);
+        acc[i] = add_scaled_block<Kernel>(acc[i], s, t, a);
       }
     }
   }
@@ -1059,9 +1068,7 @@ void tile16_rows(const TileBlock16* tile, int64_t nb, const ActQ8_0* act, float 
         std::memcpy(&quad, a.qs + 4 * q, 4);
         s = _mm512_dpbusd_epi32(s, t.codes[q], _mm512_set1_epi32(quad));
       }
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(t.scale, _mm512_set1_ps(a.d)), acc[i]);
-      if constexpr (Kernel::kHasMinTerm)
-        acc[i] = _mm512_fmadd_ps(t.min, _mm512_set1_ps(a.d * static_cast<float>(a.sum)), acc[i]);
+      acc[i] = add_scaled_block<Kernel>(acc[i], s, t, a);
     }
   }
   for (int i = 0; i < R; ++i) _mm512_storeu_ps(res[i], acc[i]);
@@ -1264,6 +1271,24 @@ template <typename Kernel>
 constexpr int64_t kTileMinRows = Kernel::kBlock == 256 ? 8 : 4;
 constexpr int kTileRows = 16;        // activation rows per pass over a decoded group (their sums stay in registers)
 
+// f(std::integral_constant<int, r>) for r = 1..kTileRows: the sweeps keep a compile-time count of accumulators
+template <typename F, int R = kTileRows>
+inline void with_tile_rows(int r, F f) {
+  if constexpr (R >= 1) {
+    if (r == R) return f(std::integral_constant<int, R>{});
+    with_tile_rows<F, R - 1>(r, f);
+  }
+}
+
+// the sweep's results for activation rows m0 .. m0 + r - 1 and weight rows col .. col + Width - 1, with the bias
+template <typename T, int Width>
+inline void store_tile_rows(T* out, int64_t ldo, int64_t m0, int r, int64_t col, const float (*res)[Width],
+                            const float* bias) {
+  for (int i = 0; i < r; ++i)
+    for (int k = 0; k < Width; ++k)
+      out[(m0 + i) * ldo + col + k] = from_float<T>(bias ? res[i][k] + bias[col + k] : res[i][k]);
+}
+
 // mm_tiles' 16-row form for the 32-blocks (N a multiple of 16, kTile16MinRows rows or more)
 constexpr int64_t kTile16MinRows = 16;
 
@@ -1281,17 +1306,8 @@ void mm_tiles16(T* out, int64_t ldo, const ActQ8_0* act, int64_t M, int64_t nb, 
         const int r = static_cast<int>(std::min<int64_t>(kTileRows, M - m0));
         float res[kTileRows][16];
         const ActQ8_0* a = act + m0 * nb;
-        switch (r) {
-#define QS_TILE_CASE(n) case n: tile16_rows<Kernel, n>(tile.data(), nb, a, res); break;
-          QS_TILE_CASE(16) QS_TILE_CASE(15) QS_TILE_CASE(14) QS_TILE_CASE(13) QS_TILE_CASE(12) QS_TILE_CASE(11)
-          QS_TILE_CASE(10) QS_TILE_CASE(9) QS_TILE_CASE(8) QS_TILE_CASE(7) QS_TILE_CASE(6) QS_TILE_CASE(5)
-          QS_TILE_CASE(4) QS_TILE_CASE(3) QS_TILE_CASE(2) QS_TILE_CASE(1)
-#undef QS_TILE_CASE
-          default: break;
-        }
-        for (int i = 0; i < r; ++i)
-          for (int k = 0; k < 16; ++k)
-            out[(m0 + i) * ldo + 16 * g + k] = from_float<T>(bias ? res[i][k] + bias[16 * g + k] : res[i][k]);
+        with_tile_rows(r, [&](auto rows) { tile16_rows<Kernel, rows()>(tile.data(), nb, a, res); });
+        store_tile_rows(out, ldo, m0, r, 16 * g, res, bias);
       }
     }
   });
@@ -1318,17 +1334,8 @@ void mm_tiles(T* out, int64_t ldo, const typename Kernel::Act* act, int64_t M, i
         float res[kTileRows][8];
         const typename Kernel::Act* a = act + m0 * nb;
         const int64_t* st = start.empty() ? nullptr : start.data() + m0 * nb;
-        switch (r) {
-#define QS_TILE_CASE(n) case n: tile_rows<Kernel, n>(tile.data(), nb, a, st, res); break;
-          QS_TILE_CASE(16) QS_TILE_CASE(15) QS_TILE_CASE(14) QS_TILE_CASE(13) QS_TILE_CASE(12) QS_TILE_CASE(11)
-          QS_TILE_CASE(10) QS_TILE_CASE(9) QS_TILE_CASE(8) QS_TILE_CASE(7) QS_TILE_CASE(6) QS_TILE_CASE(5)
-          QS_TILE_CASE(4) QS_TILE_CASE(3) QS_TILE_CASE(2) QS_TILE_CASE(1)
-#undef QS_TILE_CASE
-          default: break;
-        }
-        for (int i = 0; i < r; ++i)
-          for (int k = 0; k < 8; ++k)
-            out[(m0 + i) * ldo + 8 * g + k] = from_float<T>(bias ? res[i][k] + bias[8 * g + k] : res[i][k]);
+        with_tile_rows(r, [&](auto rows) { tile_rows<Kernel, rows()>(tile.data(), nb, a, st, res); });
+        store_tile_rows(out, ldo, m0, r, 8 * g, res, bias);
       }
     }
   });
