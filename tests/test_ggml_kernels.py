@@ -230,6 +230,37 @@ def test_mm_adds_a_bias_before_rounding(ops, qtype):
         ops.ggml_mm(torch.empty(2, 16), x, raw, int(qtype), 1, bias.bfloat16())
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_two_activation_levels_quantize_what_the_first_left(ops, qtype):
+    """act_levels=2 (float32 runs): each activation row is quantized, then its remainder x - dequant(q8(x)) is
+    quantized as well and both go through the weights. The result is within the second level's rounding of
+    F.linear (over 50x closer than one level), on the decode kernels (1 row) and the tile kernels (5, 17 rows),
+    in both layouts, with the bias added once and out's dtype rounded once."""
+    k, n = (512 if GGML_QUANT_SIZES[qtype][0] == 256 else 96), 48
+    raw = random_blocks(qtype, n, k, seed=int(qtype) + 77, scale=0.02)
+    grouped = GGMLTensor.from_bytes(raw, qtype, (n, k)).grouped().raw
+    w = reference_dequant(raw, qtype, k).double()
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(6))
+    for m in (1, 5, 17):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 2
+        exact = F.linear(x.double(), w) + bias.double()
+        first, _ = quantize_ref(x, qtype)
+        rest = (x.double() - first).float()  # what the kernel quantizes again (in float32)
+        _, second_err = quantize_ref(rest, qtype)
+        magnitude = x.double().abs() @ w.abs().T
+        bound = (second_err + 2.0 ** -23 * rest.double().abs()) @ w.abs().T + 1e-5 * magnitude
+        for weights, group in ((raw, 1), (grouped, DECODE_GROUP)):
+            one, two = torch.empty(m, n), torch.empty(m, n)
+            ops.ggml_mm(one, x, weights, int(qtype), group, bias, 1)
+            ops.ggml_mm(two, x, weights, int(qtype), group, bias, 2)
+            assert ((two.double() - exact).abs() <= bound).all(), (m, group)
+            assert (two.double() - exact).abs().max() * 50 < (one.double() - exact).abs().max(), (m, group)
+            rounded, wide = torch.empty(m, n, dtype=torch.bfloat16), torch.empty(m, n)
+            ops.ggml_mm(rounded, x.bfloat16(), weights, int(qtype), group, bias, 2)
+            ops.ggml_mm(wide, x.bfloat16().float(), weights, int(qtype), group, bias, 2)
+            assert torch.equal(rounded, wide.bfloat16())
+
+
 def test_bad_arguments_are_rejected(ops):
     raw = random_blocks(Q.Q8_0, 4, 64, seed=1)
     with pytest.raises(RuntimeError, match="not supported"):
@@ -240,6 +271,8 @@ def test_bad_arguments_are_rejected(ops):
         ops.ggml_mm(torch.empty(1, 5), torch.randn(1, 64), raw, int(Q.Q8_0))
     with pytest.raises(RuntimeError, match="dtype"):
         ops.ggml_mm(torch.empty(1, 4, dtype=torch.bfloat16), torch.randn(1, 64), raw, int(Q.Q8_0))
+    with pytest.raises(RuntimeError, match="act_levels must be 1 or 2, not 3"):
+        ops.ggml_mm(torch.empty(1, 4), torch.randn(1, 64), raw, int(Q.Q8_0), 1, None, 3)
 
 
 # The portable path, built without AVX2 in a subprocess (its own small library of the two ggml ops), must give the
@@ -260,7 +293,9 @@ _SCALAR_RUN = textwrap.dedent("""
     for t, raw, x in torch.load(data):
         y = torch.empty(x.shape[0], raw.shape[0], dtype=x.dtype)
         ops.ggml_mm(y, x, raw, t)
-        results.append((ops.ggml_dequantize(raw, t, x.shape[1], torch.float32), y))
+        y2 = torch.empty_like(y)
+        ops.ggml_mm(y2, x, raw, t, 1, None, 2)
+        results.append((ops.ggml_dequantize(raw, t, x.shape[1], torch.float32), y, y2))
     torch.save(results, data)
 """)
 _SCALAR_REGISTER = """
@@ -268,7 +303,8 @@ _SCALAR_REGISTER = """
 #include "ops.h"
 TORCH_LIBRARY(qwenserve_ggml_portable, m) {
   m.def("ggml_dequantize(Tensor raw, int ggml_type, int cols, ScalarType dtype, int group=1) -> Tensor");
-  m.def("ggml_mm(Tensor(a!) out, Tensor x, Tensor raw, int ggml_type, int group=1, Tensor? bias=None) -> ()");
+  m.def("ggml_mm(Tensor(a!) out, Tensor x, Tensor raw, int ggml_type, int group=1, Tensor? bias=None, "
+        "int act_levels=1) -> ()");
 }
 TORCH_LIBRARY_IMPL(qwenserve_ggml_portable, CPU, m) {
   m.impl("ggml_dequantize", &qwenserve::cpu::ggml_dequantize);
@@ -300,7 +336,7 @@ def test_portable_path_computes_the_same(ops, tmp_path):
                            f"qwenserve_ggml_portable_{tag}"], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = torch.load(data)
-    for (qtype, raw, x), (deq, y) in zip(cases, results):
+    for (qtype, raw, x), (deq, y, y2) in zip(cases, results):
         cols = x.shape[1]
         assert torch.equal(deq, ops.ggml_dequantize(raw, qtype, cols, torch.float32))
         got = torch.empty_like(y)
@@ -309,6 +345,8 @@ def test_portable_path_computes_the_same(ops, tmp_path):
         xq, _ = quantize_ref(x, Q(qtype))
         magnitude = xq.abs() @ w.abs().T
         assert ((got.double() - y.double()).abs() <= 1e-5 * magnitude + output_ulp(x.dtype) * y.double().abs()).all()
+        ops.ggml_mm(got, x, raw, qtype, 1, None, 2)  # two activation levels: the same too
+        assert ((got.double() - y2.double()).abs() <= 1e-5 * magnitude + output_ulp(x.dtype) * y2.double().abs()).all()
 
 
 def test_the_tile_kernel_is_built_where_the_cpu_has_vnni(ops):

@@ -4,10 +4,11 @@
 // ggml_mm works as llama.cpp does on the CPU: every activation row is quantized once per call, to blocks of 32
 // int8 with one scale (q8_0, for the 32-blocks) or of 256 with one fp32 scale and sums of 16 (q8_K, for the
 // K-quants), exactly as ggml's reference quantizers; each (weight block, activation block) pair then gives an
-// exact integer dot product, which is scaled and accumulated in float. Weight codes stay unsigned (0..15, 0..31,
-// 0..63) and their offsets (-8, -16, -32 in integers; Q4_1's m and the K-quants' -dmin * min in float) are folded
-// in through the activation block sums, so the AVX2 path needs one _mm256_maddubs_epi16 (u8 x s8) per 32
-// weights; only Q8_0 weights are signed (sign trick).
+// exact integer dot product, which is scaled and accumulated in float (act_levels 2, for float32 runs: what each
+// row's codes leave is quantized as one more row, and the two rows' results summed). Weight codes stay unsigned
+// (0..15, 0..31, 0..63) and their offsets (-8, -16, -32 in integers; Q4_1's m and the K-quants' -dmin * min in
+// float) are folded in through the activation block sums, so the AVX2 path needs one _mm256_maddubs_epi16
+// (u8 x s8) per 32 weights; only Q8_0 weights are signed (sign trick).
 // The portable scalar path computes the same integer sum per block; the two differ only in float summation order.
 // Work is split over weight rows (each weight byte is read once per call: decode is memory-bound), and every
 // decoded weight block serves up to 4 activation rows. At one activation row (decode) weights held in the decode
@@ -1254,6 +1255,27 @@ void quantize_rows(const T* x, int64_t M, int64_t K, ActQ8_K* y) {
   });
 }
 
+// act_levels 2: rows M .. 2M - 1 of y quantize what rows 0 .. M - 1 left (x - d q, in float32), so that a row's
+// two dot products together see about 15 bits of each activation instead of 8 (one int8 code's error is up to
+// half a step of max |x| / 127 in its block; the second code's, 1/254 of that)
+template <typename T, typename Act>
+void quantize_remainders(const T* x, int64_t M, int64_t K, Act* y) {
+  constexpr int64_t kElems = std::is_same_v<Act, ActQ8_0> ? 32 : 256;
+  const int64_t nb = K / kElems;
+  at::parallel_for(0, M, 4, [&](int64_t m0, int64_t m1) {
+    std::vector<float> rest(static_cast<size_t>(K));
+    for (int64_t m = m0; m < m1; ++m) {
+      load_float(rest.data(), x + m * K, K);
+      for (int64_t b = 0; b < nb; ++b) {
+        const Act& a = y[m * nb + b];
+        for (int64_t j = 0; j < kElems; ++j) rest[b * kElems + j] -= a.d * static_cast<float>(a.qs[j]);
+      }
+      if constexpr (kElems == 32) quantize_row_q8_0(rest.data(), nb, y + (M + m) * nb);
+      else quantize_row_q8_K(rest.data(), nb, y + (M + m) * nb);
+    }
+  });
+}
+
 // Where a weight row's blocks lie. group 1: a GGUF file's layout, row after row. group 8 (kDecodeGroup): rows in
 // groups of 8 with block b of all 8 side by side, so that the decode kernel reads the 8 rows it works on as one
 // stream; same bytes. ld: bytes per row.
@@ -1342,12 +1364,12 @@ void mm_tiles(T* out, int64_t ldo, const typename Kernel::Act* act, int64_t M, i
 }
 #endif
 
+// out[M, N] from M quantized activation rows (act: M * nb blocks), by whichever kernel suits M and the layout
 template <typename Kernel, typename T>
-void mm_impl(T* out, int64_t ldo, const T* x, int64_t M, int64_t K, const Layout& w, int64_t N, const float* bias) {
+void mm_quantized(T* out, int64_t ldo, const std::vector<typename Kernel::Act>& act, int64_t M, int64_t nb,
+                  const Layout& w, int64_t N, const float* bias) {
   using Act = typename Kernel::Act;
-  const int64_t nb = K / Kernel::kBlock, bstride = w.block_stride();
-  std::vector<Act> act(static_cast<size_t>(M * nb));
-  quantize_rows(x, M, K, act.data());
+  const int64_t bstride = w.block_stride();
 #if QS_GGML_AVX2
 #if QS_GGML_TILES
   if constexpr (kTiles<Kernel>) {
@@ -1405,6 +1427,30 @@ void mm_impl(T* out, int64_t ldo, const T* x, int64_t M, int64_t K, const Layout
           for (int i = 0; i < r; ++i) out[(m0 + i) * ldo + n] = from_float<T>(bias ? res[i] + bias[n] : res[i]);
         }
       }
+    }
+  });
+}
+
+template <typename Kernel, typename T>
+void mm_impl(T* out, int64_t ldo, const T* x, int64_t M, int64_t K, const Layout& w, int64_t N, const float* bias,
+             int64_t act_levels) {
+  const int64_t nb = K / Kernel::kBlock;
+  std::vector<typename Kernel::Act> act(static_cast<size_t>(act_levels * M * nb));
+  quantize_rows(x, M, K, act.data());
+  if (act_levels == 1) {
+    mm_quantized<Kernel>(out, ldo, act, M, nb, w, N, bias);
+    return;
+  }
+  // the remainders run as M more rows of the same kernels (the weights are decoded once for both), and each
+  // output is the sum of its two rows' results, in float32 until the one rounding to out's dtype
+  quantize_remainders(x, M, K, act.data());
+  std::vector<float> both(static_cast<size_t>(2 * M * N));
+  mm_quantized<Kernel>(both.data(), N, act, 2 * M, nb, w, N, nullptr);
+  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* codes = both.data() + m * N;
+      const float* rest = both.data() + (M + m) * N;
+      for (int64_t n = 0; n < N; ++n) out[m * ldo + n] = from_float<T>(codes[n] + rest[n] + (bias ? bias[n] : 0.0f));
     }
   });
 }
@@ -1473,7 +1519,7 @@ at::Tensor ggml_dequantize(const at::Tensor& raw, int64_t ggml_type, int64_t col
 // the file). out's rows may be strided (a column slice of a wider output); x contiguous in float32, bfloat16 or
 // float16; bias contiguous float32, added before the one rounding to out's dtype (saves a separate add per call).
 void ggml_mm(at::Tensor& out, const at::Tensor& x, const at::Tensor& raw, int64_t ggml_type, int64_t group,
-             const std::optional<at::Tensor>& bias) {
+             const std::optional<at::Tensor>& bias, int64_t act_levels) {
   TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu(), "ggml_mm: CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.is_contiguous(), "ggml_mm: x must be a contiguous [M, K] matrix");
   TORCH_CHECK(out.size(0) == x.size(0) && (out.stride(1) == 1 || out.size(1) <= 1),
@@ -1481,6 +1527,7 @@ void ggml_mm(at::Tensor& out, const at::Tensor& x, const at::Tensor& raw, int64_
   TORCH_CHECK(out.scalar_type() == x.scalar_type(), "ggml_mm: out and x must have the same dtype");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
               "ggml_mm: x must be float32, bfloat16 or float16");
+  TORCH_CHECK(act_levels == 1 || act_levels == 2, "ggml_mm: act_levels must be 1 or 2, not ", act_levels);
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
   const Layout w = checked_layout(raw, ggml_type, K, N, group);
   if (M == 0 || N == 0) return;
@@ -1495,13 +1542,13 @@ void ggml_mm(at::Tensor& out, const at::Tensor& x, const at::Tensor& raw, int64_
     const scalar_t* xp = x.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     switch (ggml_type) {
-      case kQ4_0: mm_impl<LegacyUnsigned<kQ4_0>>(op, ldo, xp, M, K, w, N, bp); break;
-      case kQ4_1: mm_impl<LegacyUnsigned<kQ4_1>>(op, ldo, xp, M, K, w, N, bp); break;
-      case kQ5_0: mm_impl<LegacyUnsigned<kQ5_0>>(op, ldo, xp, M, K, w, N, bp); break;
-      case kQ8_0: mm_impl<Q8_0Kernel>(op, ldo, xp, M, K, w, N, bp); break;
-      case kQ4_K: mm_impl<KQuant45<kQ4_K>>(op, ldo, xp, M, K, w, N, bp); break;
-      case kQ5_K: mm_impl<KQuant45<kQ5_K>>(op, ldo, xp, M, K, w, N, bp); break;
-      case kQ6_K: mm_impl<Q6_KKernel>(op, ldo, xp, M, K, w, N, bp); break;
+      case kQ4_0: mm_impl<LegacyUnsigned<kQ4_0>>(op, ldo, xp, M, K, w, N, bp, act_levels); break;
+      case kQ4_1: mm_impl<LegacyUnsigned<kQ4_1>>(op, ldo, xp, M, K, w, N, bp, act_levels); break;
+      case kQ5_0: mm_impl<LegacyUnsigned<kQ5_0>>(op, ldo, xp, M, K, w, N, bp, act_levels); break;
+      case kQ8_0: mm_impl<Q8_0Kernel>(op, ldo, xp, M, K, w, N, bp, act_levels); break;
+      case kQ4_K: mm_impl<KQuant45<kQ4_K>>(op, ldo, xp, M, K, w, N, bp, act_levels); break;
+      case kQ5_K: mm_impl<KQuant45<kQ5_K>>(op, ldo, xp, M, K, w, N, bp, act_levels); break;
+      case kQ6_K: mm_impl<Q6_KKernel>(op, ldo, xp, M, K, w, N, bp, act_levels); break;
       default: break;  // checked_layout rejected it
     }
   });

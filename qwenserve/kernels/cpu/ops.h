@@ -25,8 +25,9 @@ at::Tensor argmax_rows(const at::Tensor& logits);
 // ggml_quants.cpp (ggml types: Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14)
 at::Tensor ggml_dequantize(const at::Tensor& raw, int64_t ggml_type, int64_t cols, at::ScalarType dtype,
                            int64_t group);
+// act_levels: 1 quantizes each activation once to int8 blocks, as llama.cpp; 2 quantizes what that leaves too
 void ggml_mm(at::Tensor& out, const at::Tensor& x, const at::Tensor& raw, int64_t ggml_type, int64_t group,
-             const std::optional<at::Tensor>& bias);
+             const std::optional<at::Tensor>& bias, int64_t act_levels);
 // whether ggml_mm has the VNNI tile kernel for this type (weights in the decode layout, 4 or more activation rows)
 bool ggml_mm_tiles(int64_t ggml_type);
 

@@ -16,7 +16,8 @@ TORCH_LIBRARY(qwenserve, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor context_lens, float scale, Tensor? k_scales=None, Tensor? v_scales=None) -> ()");
   m.def("ggml_dequantize(Tensor raw, int ggml_type, int cols, ScalarType dtype, int group=1) -> Tensor");
-  m.def("ggml_mm(Tensor(a!) out, Tensor x, Tensor raw, int ggml_type, int group=1, Tensor? bias=None) -> ()");
+  m.def("ggml_mm(Tensor(a!) out, Tensor x, Tensor raw, int ggml_type, int group=1, Tensor? bias=None, "
+        "int act_levels=1) -> ()");
   m.def("ggml_mm_tiles(int ggml_type) -> bool", &qwenserve::cpu::ggml_mm_tiles);  // no tensor: no dispatch key
 }
 
