@@ -6,7 +6,7 @@
 // rounding: they sum the dot products' lanes in a different order), and where only AVX2 is, head_dim
 // 16/32/64/128 take the same kernels 8 lanes wide.
 //
-// The cache holds either the activation dtype or one-byte codes (int8, fp8 e4m3 / e5m2) with a float scale per
+// The cache holds either the activation dtype or one-byte codes (int8, fp8 e4m3 / e5m2) with a bf16 scale per
 // token and kv head (kv_cache_dtype). Codes are widened to float on the fly inside the dot products; the scales
 // factor out of them (q . (s c) = s (q . c), sum_t p_t (s_t c_t) = sum_t (p_t s_t) c_t), so they are applied to
 // the scores and to the softmax weights, once per token, not once per element.
@@ -43,10 +43,10 @@ inline void attention_weights(float* s, int64_t n, const float* k_scales, const 
 }
 
 // One kv head's per-token scales along a sequence's block table: scales is [blocks, block_size, kv_heads].
-inline void gather_scales(float* dst, const float* scales, const int64_t* table, int64_t len, int64_t block_size,
-                          int64_t kv_heads, int64_t kvh) {
+inline void gather_scales(float* dst, const c10::BFloat16* scales, const int64_t* table, int64_t len,
+                          int64_t block_size, int64_t kv_heads, int64_t kvh) {
   for (int64_t t = 0; t < len; ++t)
-    dst[t] = scales[(table[t / block_size] * block_size + t % block_size) * kv_heads + kvh];
+    dst[t] = static_cast<float>(scales[(table[t / block_size] * block_size + t % block_size) * kv_heads + kvh]);
 }
 
 // q_g . k for the `group` query heads (float, pre-scaled) against one key row of the cache (portable path).
@@ -255,7 +255,7 @@ bool decode_task_fast(int64_t head_dim, T* out, const float* query, float* score
 // codes with their scales in k_scales / v_scales ([blocks, block_size, kv_heads]; nullptr for T).
 template <typename T, typename E>
 void paged_decode_impl(T* out, const T* q, int64_t q_row_stride, const E* k_cache, const E* v_cache,
-                       const float* k_scales, const float* v_scales, const int64_t* block_tables,
+                       const c10::BFloat16* k_scales, const c10::BFloat16* v_scales, const int64_t* block_tables,
                        int64_t table_width, const int64_t* context_lens, int64_t batch, int64_t heads,
                        int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale) {
   const int64_t group = heads / kv_heads;
@@ -311,7 +311,7 @@ void paged_decode_impl(T* out, const T* q, int64_t q_row_stride, const E* k_cach
 }  // namespace
 
 // out: [B, heads, head_dim]; q: [B, heads, head_dim] (rows may be strided); caches: [blocks, block_size,
-// kv_heads, head_dim] in q's dtype, or int8 / fp8 codes with float32 scales [blocks, block_size, kv_heads];
+// kv_heads, head_dim] in q's dtype, or int8 / fp8 codes with bf16 scales [blocks, block_size, kv_heads];
 // block_tables: [B, width] int64; context_lens: [B] int64 (keys visible to each query).
 void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
@@ -333,15 +333,15 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
   TORCH_CHECK(k_scales.has_value() == quantized && v_scales.has_value() == quantized,
               "paged_decode_attention: int8 / fp8 caches need k_scales and v_scales, other caches none");
   for (const auto* s : {&k_scales, &v_scales})
-    TORCH_CHECK(!quantized || ((*s)->scalar_type() == at::kFloat && (*s)->is_contiguous() &&
+    TORCH_CHECK(!quantized || ((*s)->scalar_type() == at::kBFloat16 && (*s)->is_contiguous() &&
                                (*s)->sizes() == k_cache.sizes().slice(0, 3)),
-                "paged_decode_attention: scales must be contiguous float32 [blocks, block_size, kv_heads]");
+                "paged_decode_attention: scales must be contiguous bfloat16 [blocks, block_size, kv_heads]");
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   for (int64_t b = 0; b < q.size(0); ++b)
     TORCH_CHECK(lens[b] >= 1 && lens[b] <= block_tables.size(1) * k_cache.size(1),
                 "paged_decode_attention: context length out of the block table's range");
-  const float* ks = quantized ? k_scales->data_ptr<float>() : nullptr;
-  const float* vs = quantized ? v_scales->data_ptr<float>() : nullptr;
+  const c10::BFloat16* ks = quantized ? k_scales->data_ptr<c10::BFloat16>() : nullptr;
+  const c10::BFloat16* vs = quantized ? v_scales->data_ptr<c10::BFloat16>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     const auto run = [&](auto element) {
       using E = decltype(element);
