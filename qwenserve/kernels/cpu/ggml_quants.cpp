@@ -1243,35 +1243,28 @@ void dequantize_block_avx2(int64_t type, const uint8_t* b, T* o) {
 // Drivers
 
 template <typename T>
-void quantize_rows(const T* x, int64_t M, int64_t K, ActQ8_0* y) {
-  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) quantize_row_q8_0(x + m * K, K / 32, y + m * (K / 32));
-  });
-}
+void quantize_row(const T* x, int64_t K, ActQ8_0* y) { quantize_row_q8_0(x, K / 32, y); }
 template <typename T>
-void quantize_rows(const T* x, int64_t M, int64_t K, ActQ8_K* y) {
-  at::parallel_for(0, M, 4, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) quantize_row_q8_K(x + m * K, K / 256, y + m * (K / 256));
-  });
-}
+void quantize_row(const T* x, int64_t K, ActQ8_K* y) { quantize_row_q8_K(x, K / 256, y); }
 
-// act_levels 2: rows M .. 2M - 1 of y quantize what rows 0 .. M - 1 left (x - d q, in float32), so that a row's
-// two dot products together see about 15 bits of each activation instead of 8 (one int8 code's error is up to
-// half a step of max |x| / 127 in its block; the second code's, 1/254 of that)
+// x [M, K] -> `levels` quantized rows per row, one after the other. Level 2 quantizes what the first row's codes
+// left (x - d q, in float32), so that the pair's two dot products together see about 15 bits of each activation
+// instead of 8 (one int8 code's error is up to half a step of max |x| / 127 in its block; the second's, 1/254 of
+// that).
 template <typename T, typename Act>
-void quantize_remainders(const T* x, int64_t M, int64_t K, Act* y) {
+void quantize_rows(const T* x, int64_t M, int64_t K, int64_t levels, Act* y) {
   constexpr int64_t kElems = std::is_same_v<Act, ActQ8_0> ? 32 : 256;
   const int64_t nb = K / kElems;
-  at::parallel_for(0, M, 4, [&](int64_t m0, int64_t m1) {
-    std::vector<float> rest(static_cast<size_t>(K));
+  at::parallel_for(0, M, kElems == 32 ? 16 : 4, [&](int64_t m0, int64_t m1) {
+    std::vector<float> rest(levels == 2 ? static_cast<size_t>(K) : 0);
     for (int64_t m = m0; m < m1; ++m) {
+      Act* codes = y + m * levels * nb;
+      quantize_row(x + m * K, K, codes);
+      if (levels == 1) continue;
       load_float(rest.data(), x + m * K, K);
-      for (int64_t b = 0; b < nb; ++b) {
-        const Act& a = y[m * nb + b];
-        for (int64_t j = 0; j < kElems; ++j) rest[b * kElems + j] -= a.d * static_cast<float>(a.qs[j]);
-      }
-      if constexpr (kElems == 32) quantize_row_q8_0(rest.data(), nb, y + (M + m) * nb);
-      else quantize_row_q8_K(rest.data(), nb, y + (M + m) * nb);
+      for (int64_t b = 0; b < nb; ++b)
+        for (int64_t j = 0; j < kElems; ++j) rest[b * kElems + j] -= codes[b].d * static_cast<float>(codes[b].qs[j]);
+      quantize_row(rest.data(), K, codes + nb);
     }
   });
 }
@@ -1285,6 +1278,20 @@ struct Layout {
   const uint8_t* row(int64_t n) const { return base + (n / group) * group * ld + (n % group) * block_bytes; }
   int64_t block_stride() const { return group * block_bytes; }
 };
+
+// A pass's results for quantized rows m0 .. m0 + r - 1 and weight rows col .. col + Width - 1 -> out, with the
+// bias. With `levels` quantized rows per output row (ggml_mm's act_levels; passes cover whole groups of them, r
+// and m0 being multiples of levels) a row's levels are summed here, in float, before the one rounding.
+template <int Width, typename T>
+inline void store_rows(T* out, int64_t ldo, int64_t levels, int64_t m0, int r, int64_t col, const float* res,
+                       const float* bias) {  // res: [r][Width]
+  for (int i = 0; i < r; i += static_cast<int>(levels))
+    for (int k = 0; k < Width; ++k) {
+      float v = bias ? res[i * Width + k] + bias[col + k] : res[i * Width + k];
+      if (levels == 2) v += res[(i + 1) * Width + k];
+      out[(m0 + i) / levels * ldo + col + k] = from_float<T>(v);
+    }
+}
 
 #if QS_GGML_TILES
 // below this many activation rows the decode kernels stream the weights faster (Q6_K [896, 4864] at 4 rows: 0.179 ms
@@ -1302,21 +1309,12 @@ inline void with_tile_rows(int r, F f) {
   }
 }
 
-// the sweep's results for activation rows m0 .. m0 + r - 1 and weight rows col .. col + Width - 1, with the bias
-template <typename T, int Width>
-inline void store_tile_rows(T* out, int64_t ldo, int64_t m0, int r, int64_t col, const float (*res)[Width],
-                            const float* bias) {
-  for (int i = 0; i < r; ++i)
-    for (int k = 0; k < Width; ++k)
-      out[(m0 + i) * ldo + col + k] = from_float<T>(bias ? res[i][k] + bias[col + k] : res[i][k]);
-}
-
 // mm_tiles' 16-row form for the 32-blocks (N a multiple of 16, kTile16MinRows rows or more)
 constexpr int64_t kTile16MinRows = 16;
 
 template <typename Kernel, typename T>
-void mm_tiles16(T* out, int64_t ldo, const ActQ8_0* act, int64_t M, int64_t nb, const Layout& w, int64_t N,
-                const float* bias) {
+void mm_tiles16(T* out, int64_t ldo, int64_t levels, const ActQ8_0* act, int64_t M, int64_t nb, const Layout& w,
+                int64_t N, const float* bias) {
   at::parallel_for(0, N / 16, 1, [&](int64_t g0, int64_t g1) {
     std::vector<TileBlock16> tile(static_cast<size_t>(nb));
     for (int64_t g = g0; g < g1; ++g) {
@@ -1329,7 +1327,7 @@ void mm_tiles16(T* out, int64_t ldo, const ActQ8_0* act, int64_t M, int64_t nb, 
         float res[kTileRows][16];
         const ActQ8_0* a = act + m0 * nb;
         with_tile_rows(r, [&](auto rows) { tile16_rows<Kernel, rows()>(tile.data(), nb, a, res); });
-        store_tile_rows(out, ldo, m0, r, 16 * g, res, bias);
+        store_rows<16>(out, ldo, levels, m0, r, 16 * g, res[0], bias);
       }
     }
   });
@@ -1338,8 +1336,8 @@ void mm_tiles16(T* out, int64_t ldo, const ActQ8_0* act, int64_t M, int64_t nb, 
 // out[M, N] from weights in the decode layout, a group of 8 rows at a time: decoded once (tile_block's layout,
 // a few KiB per group), then swept by the activation rows kTileRows at a time
 template <typename Kernel, typename T>
-void mm_tiles(T* out, int64_t ldo, const typename Kernel::Act* act, int64_t M, int64_t nb, const Layout& w,
-              int64_t N, const float* bias) {
+void mm_tiles(T* out, int64_t ldo, int64_t levels, const typename Kernel::Act* act, int64_t M, int64_t nb,
+              const Layout& w, int64_t N, const float* bias) {
   using Tile = std::conditional_t<Kernel::kBlock == 256, TileSuperBlock, TileBlock>;
   std::vector<int64_t> start;  // the 32-blocks' starting values (the K-quants need none)
   if constexpr (Kernel::kBlock == 32) {
@@ -1357,17 +1355,18 @@ void mm_tiles(T* out, int64_t ldo, const typename Kernel::Act* act, int64_t M, i
         const typename Kernel::Act* a = act + m0 * nb;
         const int64_t* st = start.empty() ? nullptr : start.data() + m0 * nb;
         with_tile_rows(r, [&](auto rows) { tile_rows<Kernel, rows()>(tile.data(), nb, a, st, res); });
-        store_tile_rows(out, ldo, m0, r, 8 * g, res, bias);
+        store_rows<8>(out, ldo, levels, m0, r, 8 * g, res[0], bias);
       }
     }
   });
 }
 #endif
 
-// out[M, N] from M quantized activation rows (act: M * nb blocks), by whichever kernel suits M and the layout
+// out[M / levels, N] from M quantized activation rows (act: M * nb blocks, `levels` rows per output row), by
+// whichever kernel suits M and the layout. Every pass below covers an even number of rows from an even one.
 template <typename Kernel, typename T>
-void mm_quantized(T* out, int64_t ldo, const std::vector<typename Kernel::Act>& act, int64_t M, int64_t nb,
-                  const Layout& w, int64_t N, const float* bias) {
+void mm_quantized(T* out, int64_t ldo, int64_t levels, const std::vector<typename Kernel::Act>& act, int64_t M,
+                  int64_t nb, const Layout& w, int64_t N, const float* bias) {
   using Act = typename Kernel::Act;
   const int64_t bstride = w.block_stride();
 #if QS_GGML_AVX2
@@ -1375,12 +1374,12 @@ void mm_quantized(T* out, int64_t ldo, const std::vector<typename Kernel::Act>& 
   if constexpr (kTiles<Kernel>) {
     if constexpr (Kernel::kBlock == 32) {
       if (w.group == kDecodeGroup && M >= kTile16MinRows && N % 16 == 0) {
-        mm_tiles16<Kernel>(out, ldo, act.data(), M, nb, w, N, bias);
+        mm_tiles16<Kernel>(out, ldo, levels, act.data(), M, nb, w, N, bias);
         return;
       }
     }
     if (w.group == kDecodeGroup && M >= kTileMinRows<Kernel>) {
-      mm_tiles<Kernel>(out, ldo, act.data(), M, nb, w, N, bias);
+      mm_tiles<Kernel>(out, ldo, levels, act.data(), M, nb, w, N, bias);
       return;
     }
   }
@@ -1399,9 +1398,7 @@ void mm_quantized(T* out, int64_t ldo, const std::vector<typename Kernel::Act>& 
             case 2: decode_group<Kernel, 2>(w.row(8 * g), nb, y, res); break;
             default: decode_group<Kernel, 1>(w.row(8 * g), nb, y, res); break;
           }
-          for (int i = 0; i < r; ++i)
-            for (int k = 0; k < 8; ++k)
-              out[(m0 + i) * ldo + 8 * g + k] = from_float<T>(bias ? res[i][k] + bias[8 * g + k] : res[i][k]);
+          store_rows<8>(out, ldo, levels, m0, r, 8 * g, res[0], bias);
         }
     });
     return;
@@ -1424,7 +1421,7 @@ void mm_quantized(T* out, int64_t ldo, const std::vector<typename Kernel::Act>& 
             case 2: dot_rows<Kernel, 2>(wr, bstride, nb, y, res); break;
             default: dot_rows<Kernel, 1>(wr, bstride, nb, y, res); break;
           }
-          for (int i = 0; i < r; ++i) out[(m0 + i) * ldo + n] = from_float<T>(bias ? res[i] + bias[n] : res[i]);
+          store_rows<1>(out, ldo, levels, m0, r, n, res, bias);
         }
       }
     }
@@ -1435,24 +1432,11 @@ template <typename Kernel, typename T>
 void mm_impl(T* out, int64_t ldo, const T* x, int64_t M, int64_t K, const Layout& w, int64_t N, const float* bias,
              int64_t act_levels) {
   const int64_t nb = K / Kernel::kBlock;
+  // act_levels 2: each row's remainder runs as one more activation row beside it, through the same kernels (the
+  // weights are decoded once for both), and the stores sum the pair
   std::vector<typename Kernel::Act> act(static_cast<size_t>(act_levels * M * nb));
-  quantize_rows(x, M, K, act.data());
-  if (act_levels == 1) {
-    mm_quantized<Kernel>(out, ldo, act, M, nb, w, N, bias);
-    return;
-  }
-  // the remainders run as M more rows of the same kernels (the weights are decoded once for both), and each
-  // output is the sum of its two rows' results, in float32 until the one rounding to out's dtype
-  quantize_remainders(x, M, K, act.data());
-  std::vector<float> both(static_cast<size_t>(2 * M * N));
-  mm_quantized<Kernel>(both.data(), N, act, 2 * M, nb, w, N, nullptr);
-  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
-      const float* codes = both.data() + m * N;
-      const float* rest = both.data() + (M + m) * N;
-      for (int64_t n = 0; n < N; ++n) out[m * ldo + n] = from_float<T>(codes[n] + rest[n] + (bias ? bias[n] : 0.0f));
-    }
-  });
+  quantize_rows(x, M, K, act_levels, act.data());
+  mm_quantized<Kernel>(out, ldo, act_levels, act, act_levels * M, nb, w, N, bias);
 }
 
 template <typename T>
