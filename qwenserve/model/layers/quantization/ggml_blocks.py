@@ -61,12 +61,17 @@ K_QUANT_TILES_DENSE_FROM_ROWS = 64
 def tiles_dense_from_rows(layer: nn.Module) -> int | None:
     """From how many rows the layer should take the dense route, given ggml_mm's VNNI tile kernel; None where the
     tile kernel does not run every segment (or AMX, several times faster at bf16, is there for the K-quants).
-    With AMX the 32-block types keep the dense route from 512 rows (not measured: no AMX machine was at hand)."""
+    With AMX the 32-block types keep the dense route from 512 rows (not measured: no AMX machine was at hand).
+    Where that route would multiply in float32, the tiles win at every row count, two activation levels and all
+    (float32 run of the bundled model, K-quants dense from 64 rows against never: 1024-token prefill 2.35-2.43 s
+    against 1.94-2.04, 128 tokens 284-338 ms against 231-233)."""
     tiles = getattr(layer.ggml_ops, "ggml_mm_tiles", None)
     segments = [segment for _, segment in layer.segments]
     if tiles is None or not all(isinstance(s, GGMLTensor) and s.group != 1 and tiles(int(s.ggml_type))
                                 for s in segments):
         return None
+    if layer.dense_dtype == torch.float32:
+        return sys.maxsize
     amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
     if all(s.ggml_type in TILES_BEAT_DENSE for s in segments):
         return 512 if amx else sys.maxsize
@@ -78,8 +83,9 @@ def activation_levels(dtype: torch.dtype) -> int:
     two in float32 runs (the second quantizes what the first left, about 15 bits in all), so that greedy decoding
     follows the exact path (quantization none) there. Measured on the bundled model, 64 greedy tokens a prompt
     against `none` in float32, tokens equal at the same position: compare's 4 prompts and 8 more, one level
-    651/768, two levels 768/768 (`none` in bf16: 707/768). Its cost at batch 1 is small (the weights' streaming
-    bounds the time: TPOT 13.1-13.4 ms against 11.3-12.6 in bf16), at many rows the dot products double."""
+    651/768, two levels 733/768, the 12th prompt parting at a near-tie where `none` in bf16 parts too (which has
+    707/768). Its cost at batch 1 is small (the weights' streaming bounds the time), at many rows the dot products
+    double (README, "Quantized weights")."""
     return 2 if dtype == torch.float32 else 1
 
 
