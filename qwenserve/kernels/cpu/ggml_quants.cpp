@@ -1309,6 +1309,14 @@ inline void with_tile_rows(int r, F f) {
   }
 }
 
+// The next group's bytes into L2 while this group's sweeps compute: with the weights coming from memory (a decode
+// step streams the whole model) a thread otherwise waits for each group before it computes, and computes before
+// it asks for the next. Weights beyond the L3, 32 activation rows, 2 threads: Q5_0 [9728, 896] 0.66 -> 0.57 ms,
+// the Q8_0 LM head [151936, 896] 11.2-11.7 -> 8.9 ms; the 8-row K-quant tiles unchanged (Q6_K [896, 4864] 0.66).
+inline void prefetch_group(const uint8_t* p, int64_t bytes) {
+  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T1);
+}
+
 // mm_tiles' 16-row form for the 32-blocks (N a multiple of 16, kTile16MinRows rows or more)
 constexpr int64_t kTile16MinRows = 16;
 
@@ -1322,6 +1330,7 @@ void mm_tiles16(T* out, int64_t ldo, int64_t levels, const ActQ8_0* act, int64_t
       const uint8_t* second = w.row(16 * g + 8);
       for (int64_t b = 0; b < nb; ++b)
         decode_tile_block16<Kernel>(first + b * 8 * Kernel::kBytes, second + b * 8 * Kernel::kBytes, tile[b]);
+      if (g + 1 < g1) prefetch_group(w.row(16 * (g + 1)), 16 * w.ld);
       for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
         const int r = static_cast<int>(std::min<int64_t>(kTileRows, M - m0));
         float res[kTileRows][16];
@@ -1349,6 +1358,7 @@ void mm_tiles(T* out, int64_t ldo, int64_t levels, const typename Kernel::Act* a
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* group = w.row(8 * g);
       for (int64_t b = 0; b < nb; ++b) decode_tile_block<Kernel>(group + b * 8 * Kernel::kBytes, tile[b]);
+      if (g + 1 < g1) prefetch_group(w.row(8 * (g + 1)), 8 * w.ld);
       for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
         const int r = static_cast<int>(std::min<int64_t>(kTileRows, M - m0));
         float res[kTileRows][8];
