@@ -177,7 +177,7 @@ def test_decode_layout_gives_the_same_bits(ops, qtype):
     4 activation rows (K-quants: 8) on CPUs with AVX512-VNNI, 16 activation rows at a time: 17 and 35 leave
     remainders)."""
     k = 512 if GGML_QUANT_SIZES[qtype][0] == 256 else 96
-    for n in (40, 48):  # 48: the 32-blocks' 16-row tiles from 16 activation rows
+    for n in (40, 48):  # 48: 16-row tiles from 16 activation rows
         _check_decode_layout(ops, qtype, n, k)
     # 12 rows do not divide into groups of 8: they stay in the file's layout, and the kernel refuses to group them
     raw = random_blocks(qtype, 40, k, seed=int(qtype) + 5, scale=0.02)

@@ -50,12 +50,13 @@ def dense_route(dtype: torch.dtype) -> tuple[int, torch.dtype]:
 
 
 # The types whose tile kernel beats the dense route at any row count (without AMX); the K-quants' does up to about
-# 64 rows. Measured on 2 cores of an AMD EPYC with AVX512-VNNI and -BF16, ms at 32 / 128 / 512 rows, tile kernel
+# 128 rows. Measured on 2 cores of an AMD EPYC with AVX512-VNNI and -BF16, ms at 32 / 128 / 512 rows, tile kernel
 # against dequantize + bf16 matmul: Q5_0 [9728, 896] 1.05 / 2.49 / 9.5 (8-row tiles; the 16-row ones take about
-# 0.6x of that) against 1.13 / 2.76 / 9.8 for the matmul alone; Q6_K [896, 4864] 0.54 / 1.99 / 7.65 against
-# 0.72 / 1.60 / 5.39 (crossing at about 64); Q4_K 0.51 / 1.59 / 6.37 against 0.73 / 1.57 / 5.42.
+# 0.6x of that) against 1.13 / 2.76 / 9.8 for the matmul alone; with the K-quants' 16-row tiles, [896, 4864] at
+# 32 / 64 / 128 / 256 rows against the dense route: Q6_K 0.51 / 0.92 / 1.77-2.09 / 3.49 against 0.86 / 1.28 /
+# 1.88 / 3.16, Q4_K 0.44 / 0.79 / 1.54 / 3.03 against 0.81 / 1.14 / 1.80 / 3.20.
 TILES_BEAT_DENSE = {Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0}
-K_QUANT_TILES_DENSE_FROM_ROWS = 64
+K_QUANT_TILES_DENSE_FROM_ROWS = 128
 
 
 def tiles_dense_from_rows(layer: nn.Module) -> int | None:
