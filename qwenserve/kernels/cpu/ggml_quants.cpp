@@ -928,10 +928,16 @@ inline void decode_tile_block(const uint8_t* blk, TileSuperBlock& t) {
   t.dmin = _mm512_permutexvar_ps(twice, _mm512_castps256_ps512(_mm256_load_ps(dmin)));
 }
 
+// 8 or 4 activation codes from p in every qword or dword of a vector (the sweeps' broadcast operand)
 inline __m512i broadcast_qword(const void* p) {
   int64_t v;
   std::memcpy(&v, p, 8);
   return _mm512_set1_epi64(v);
+}
+inline __m512i broadcast_dword(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
 }
 
 // One activation row against a decoded super-block: the 16 lanes, to be scaled by d (and the mins by dmin)
@@ -988,11 +994,7 @@ void tile_rows(const Tile* tile, int64_t nb, const typename Kernel::Act* act, co
       for (int i = 0; i < R; ++i) {
         const ActQ8_0& a = act[i * nb + b];
         __m512i s = _mm512_set1_epi64(start[i * nb + b]);
-        for (int j = 0; j < 4; ++j) {
-          int64_t quads;
-          std::memcpy(&quads, a.qs + 8 * j, 8);
-          s = _mm512_dpbusd_epi32(s, t.codes[j], _mm512_set1_epi64(quads));
-        }
+        for (int j = 0; j < 4; ++j) s = _mm512_dpbusd_epi32(s, t.codes[j], broadcast_qword(a.qs + 8 * j));
         acc[i] = add_scaled_block<Kernel>(acc[i], s, t, a);
       }
     }
@@ -1065,11 +1067,7 @@ void tile16_rows(const TileBlock16* tile, int64_t nb, const ActQ8_0* act, float 
     for (int i = 0; i < R; ++i) {
       const ActQ8_0& a = act[i * nb + b];
       __m512i s = _mm512_set1_epi32(-kTileOffset<Kernel> * a.sum);
-      for (int q = 0; q < 8; ++q) {
-        int32_t quad;
-        std::memcpy(&quad, a.qs + 4 * q, 4);
-        s = _mm512_dpbusd_epi32(s, t.codes[q], _mm512_set1_epi32(quad));
-      }
+      for (int q = 0; q < 8; ++q) s = _mm512_dpbusd_epi32(s, t.codes[q], broadcast_dword(a.qs + 4 * q));
       acc[i] = add_scaled_block<Kernel>(acc[i], s, t, a);
     }
   }
@@ -1126,12 +1124,6 @@ inline void decode_tile_block16(const uint8_t* g0, const uint8_t* g1, TileSuperB
   for (int u = 0; u < (kQ6 ? 8 : 4); ++u) t.pairs[u] = _mm512_load_si512(pairs[u]);
   t.d = _mm512_load_ps(d);
   t.dmin = _mm512_load_ps(dmin);
-}
-
-inline __m512i broadcast_dword(const void* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
 }
 
 // One activation row against a decoded super-block of 16 rows: lane r = row r's sum
