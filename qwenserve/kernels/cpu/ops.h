@@ -1,7 +1,8 @@
 // The op entry points, one definition each in the op family's source file (norm.cpp, rotary.cpp,
-// activation.cpp, attention.cpp, sampling.cpp, ggml_quants.cpp), declared here so register.cpp can bind them to
-// the schemas of torch.ops.qwenserve in one place. Each checks its arguments and dispatches on the dtype (float32,
-// float64, bfloat16, float16); the shapes each expects are documented at its definition.
+// activation.cpp, attention.cpp, prefill_attention.cpp, sampling.cpp, ggml_quants.cpp), declared here so
+// register.cpp can bind them to the schemas of torch.ops.qwenserve in one place. Each checks its arguments and
+// dispatches on the dtype (float32, float64, bfloat16, float16; prefill_attention: bf16 only); the shapes each
+// expects are documented at its definition.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -20,6 +21,9 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& x);
 void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
                             const std::optional<at::Tensor>& k_scales, const std::optional<at::Tensor>& v_scales);
+// prefill_attention.cpp (bf16, causal, no cached context; supported: AVX512-BF16 and head_dim 64 or 128)
+void prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale);
+bool prefill_attention_supported(int64_t head_dim);
 // sampling.cpp
 at::Tensor argmax_rows(const at::Tensor& logits);
 // ggml_quants.cpp (ggml types: Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14)

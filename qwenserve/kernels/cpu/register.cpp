@@ -15,6 +15,8 @@ TORCH_LIBRARY(qwenserve, m) {
   m.def("argmax_rows(Tensor logits) -> Tensor");
   m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor context_lens, float scale, Tensor? k_scales=None, Tensor? v_scales=None) -> ()");
+  m.def("prefill_attention(Tensor(a!) out, Tensor q, Tensor k, Tensor v, float scale) -> ()");
+  m.def("prefill_attention_supported(int head_dim) -> bool", &qwenserve::cpu::prefill_attention_supported);
   m.def("ggml_dequantize(Tensor raw, int ggml_type, int cols, ScalarType dtype, int group=1) -> Tensor");
   m.def("ggml_mm(Tensor(a!) out, Tensor x, Tensor raw, int ggml_type, int group=1, Tensor? bias=None, "
         "int act_levels=1) -> ()");
@@ -28,6 +30,7 @@ TORCH_LIBRARY_IMPL(qwenserve, CPU, m) {
   m.impl("silu_and_mul", &qwenserve::cpu::silu_and_mul);
   m.impl("paged_decode_attention", &qwenserve::cpu::paged_decode_attention);
   m.impl("argmax_rows", &qwenserve::cpu::argmax_rows);
+  m.impl("prefill_attention", &qwenserve::cpu::prefill_attention);
   m.impl("ggml_dequantize", &qwenserve::cpu::ggml_dequantize);
   m.impl("ggml_mm", &qwenserve::cpu::ggml_mm);
 }

@@ -8,7 +8,8 @@ go, which blocks each sequence reads); every attention layer then writes the bat
 slots and reads each sequence's keys through its block table:
 - decode tokens (one new token per sequence): with the CPU kernel, one pass that reads each sequence's keys
   in place in its blocks; otherwise a few batched SDPAs, grouped by context length, keys gathered per sequence;
-- prompt chunks run one sequence each, causally, against their cached context if they have one.
+- prompt chunks run one sequence each, causally, against their cached context if they have one (a chunk without
+  cached context, in bf16, on our flash kernel where the CPU has AVX512-BF16; otherwise torch's SDPA).
 All new K/V are written before any are read, so sequences sharing prefix blocks in one step see them.
 """
 from __future__ import annotations
@@ -153,6 +154,8 @@ class Attention(nn.Module):
         self.scale = scale
         self._ops = cpu_ops_for(torch.empty(0).device)  # the device the model is being built on
         self._decode = self._decode_kernel if self._ops is not None else self._decode_sdpa
+        # a prompt without cached context, in bf16: our flash kernel (AVX512-BF16 pair products, float32 softmax)
+        self._bf16_prefill = self._ops is not None and self._ops.prefill_attention_supported(head_dim)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_metadata: AttentionMetadata):
         """q: [T, heads, head_dim], k/v: [T, kv_heads, head_dim] (this step's tokens) -> [T, heads * head_dim]."""
@@ -184,8 +187,14 @@ class Attention(nn.Module):
         return out.squeeze(2)
 
     def _prefill(self, q, k, v, cache: PagedKVCache, span: PrefillSpan):
-        query = q[span.start:span.end].transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
         n = span.end - span.start
+        if span.block_table is None and n > 1 and self._bf16_prefill and q.dtype == torch.bfloat16 \
+                and k.stride(0) == v.stride(0):
+            out = q.new_empty(n, *q.shape[1:])
+            self._ops.prefill_attention(out, q[span.start:span.end], k[span.start:span.end], v[span.start:span.end],
+                                        self.scale)
+            return out
+        query = q[span.start:span.end].transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
         if span.block_table is None:
             keys = k[span.start:span.end].transpose(0, 1).unsqueeze(0)
             values = v[span.start:span.end].transpose(0, 1).unsqueeze(0)
