@@ -84,9 +84,9 @@ def activation_levels(dtype: torch.dtype) -> int:
     two in float32 runs (the second quantizes what the first left, about 15 bits in all), so that greedy decoding
     follows the exact path (quantization none) there. Measured on the bundled model, 64 greedy tokens a prompt
     against `none` in float32, tokens equal at the same position: compare's 4 prompts and 8 more, one level
-    651/768, two levels 733/768, the 12th prompt parting at a near-tie where `none` in bf16 parts too (which has
-    707/768). Its cost at batch 1 is small (the weights' streaming bounds the time), at many rows the dot products
-    double (README, "Quantized weights")."""
+    651/768, two levels 733-768/768 (with the K-quants' 8- and 16-row tiles; `none` in bf16: 670-707/768). Its
+    cost at batch 1 is small (the weights' streaming bounds the time), at many rows the dot products double
+    (README, "Quantized weights")."""
     return 2 if dtype == torch.float32 else 1
 
 
