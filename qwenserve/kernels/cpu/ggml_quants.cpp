@@ -882,41 +882,56 @@ struct TileSuperBlock {
   __m512 d, dmin;                      // lanes 2r, 2r + 1: row r's d (dmin: Q4_K, Q5_K)
 };
 
+// One row's super-block as both K-quant tile layouts take it: 8 chunks of 32 codes (sub-blocks of 32, or two of
+// Q6_K's 16 each), the sub-block scales, the int16 pairs vpdpwssd takes (pair p: the mins, or Q6_K's scales, 2p and
+// 2p + 1; Q4_K / Q5_K's pairs 4..7 zero), d and dmin
+struct SuperBlockRow {
+  __m256i chunk[8];
+  int32_t scales[16];  // Q4_K, Q5_K: the first 8
+  int32_t pairs[8];
+  float d, dmin;
+};
+
+template <typename Kernel>
+inline SuperBlockRow decode_superblock_row(const uint8_t* rb) {
+  SuperBlockRow row;
+  const typename Kernel::Codes c = Kernel::decode(rb);
+  int32_t pair_values[16] = {};  // Q6_K's 16 scales, or the 8 mins
+  if constexpr (std::is_same_v<Kernel, Q6_KKernel>) {
+    for (int i = 0; i < 8; ++i) row.chunk[i] = c.q[i];
+    for (int j = 0; j < 16; ++j) pair_values[j] = row.scales[j] = static_cast<int8_t>(rb[192 + j]);
+    row.d = fp16_at(rb + 208);
+    row.dmin = 0.0f;
+  } else {
+    for (int k = 0; k < 4; ++k) {
+      row.chunk[2 * k] = c.lo[k];
+      row.chunk[2 * k + 1] = c.hi[k];
+    }
+    for (int j = 0; j < 8; ++j) {
+      row.scales[j] = c.scales[j];
+      pair_values[j] = c.scales[8 + j];
+    }
+    row.d = fp16_at(rb);
+    row.dmin = fp16_at(rb + 2);
+  }
+  for (int p = 0; p < 8; ++p)
+    row.pairs[p] = static_cast<int32_t>((static_cast<uint32_t>(pair_values[2 * p]) & 0xFFFFu) |
+                                        (static_cast<uint32_t>(pair_values[2 * p + 1]) << 16));
+  return row;
+}
+
 template <typename Kernel>
 inline void decode_tile_block(const uint8_t* blk, TileSuperBlock& t) {
-  constexpr bool kQ6 = std::is_same_v<Kernel, Q6_KKernel>;
+  constexpr int kScales = std::is_same_v<Kernel, Q6_KKernel> ? 16 : 8;
   __m256i chunk[8][8];  // row, 32-code chunk
   alignas(32) float d[8], dmin[8];
   for (int r = 0; r < 8; ++r) {
-    const uint8_t* rb = blk + r * Kernel::kBytes;
-    int32_t pair_values[16];  // the values paired for vpdpwssd: Q6_K's 16 scales, or the 8 mins
-    if constexpr (kQ6) {
-      const typename Kernel::Codes c = Kernel::decode(rb);
-      for (int i = 0; i < 8; ++i) chunk[r][i] = c.q[i];
-      for (int j = 0; j < 16; ++j) pair_values[j] = t.scales[j][2 * r] = t.scales[j][2 * r + 1] =
-          static_cast<int8_t>(rb[192 + j]);
-      d[r] = fp16_at(rb + 208);
-      dmin[r] = 0.0f;
-    } else {
-      const typename Kernel::Codes c = Kernel::decode(rb);
-      for (int k = 0; k < 4; ++k) {
-        chunk[r][2 * k] = c.lo[k];
-        chunk[r][2 * k + 1] = c.hi[k];
-      }
-      for (int j = 0; j < 8; ++j) {
-        t.scales[j][2 * r] = t.scales[j][2 * r + 1] = c.scales[j];
-        pair_values[j] = c.scales[8 + j];
-        pair_values[8 + j] = 0;
-      }
-      d[r] = fp16_at(rb);
-      dmin[r] = fp16_at(rb + 2);
-    }
-    for (int u = 0; u < 4; ++u)
-      for (int tt = 0; tt < 2; ++tt) {
-        const int j = 4 * u + 2 * tt;
-        t.pairs[u][2 * r + tt] = static_cast<int32_t>((static_cast<uint32_t>(pair_values[j]) & 0xFFFFu) |
-                                                      (static_cast<uint32_t>(pair_values[j + 1]) << 16));
-      }
+    const SuperBlockRow row = decode_superblock_row<Kernel>(blk + r * Kernel::kBytes);
+    for (int c = 0; c < 8; ++c) chunk[r][c] = row.chunk[c];
+    for (int j = 0; j < kScales; ++j) t.scales[j][2 * r] = t.scales[j][2 * r + 1] = row.scales[j];
+    for (int p = 0; p < 8; ++p) t.pairs[p / 2][2 * r + p % 2] = row.pairs[p];  // lane 2r + t of u: pair 2u + t
+    d[r] = row.d;
+    dmin[r] = row.dmin;
   }
   for (int c = 0; c < 8; ++c) {
     const __m512i pair[4] = {pair_of(chunk[0][c], chunk[1][c]), pair_of(chunk[2][c], chunk[3][c]),
@@ -1095,29 +1110,12 @@ inline void decode_tile_block16(const uint8_t* g0, const uint8_t* g1, TileSuperB
   alignas(64) int32_t scales[16][16], pairs[8][16];
   alignas(64) float d[16], dmin[16];
   for (int r = 0; r < 16; ++r) {
-    const uint8_t* rb = (r < 8 ? g0 : g1) + (r % 8) * Kernel::kBytes;
-    const typename Kernel::Codes c = Kernel::decode(rb);
-    int32_t pair_values[16];  // Q6_K's 16 scales, or the 8 mins
-    if constexpr (kQ6) {
-      for (int i = 0; i < 8; ++i) chunk[i][r] = c.q[i];
-      for (int j = 0; j < 16; ++j) pair_values[j] = scales[j][r] = static_cast<int8_t>(rb[192 + j]);
-      d[r] = fp16_at(rb + 208);
-      dmin[r] = 0.0f;
-    } else {
-      for (int k = 0; k < 4; ++k) {
-        chunk[2 * k][r] = c.lo[k];
-        chunk[2 * k + 1][r] = c.hi[k];
-      }
-      for (int j = 0; j < 8; ++j) {
-        scales[j][r] = c.scales[j];
-        pair_values[j] = c.scales[8 + j];
-      }
-      d[r] = fp16_at(rb);
-      dmin[r] = fp16_at(rb + 2);
-    }
-    for (int u = 0; u < (kQ6 ? 8 : 4); ++u)
-      pairs[u][r] = static_cast<int32_t>((static_cast<uint32_t>(pair_values[2 * u]) & 0xFFFFu) |
-                                         (static_cast<uint32_t>(pair_values[2 * u + 1]) << 16));
+    const SuperBlockRow row = decode_superblock_row<Kernel>((r < 8 ? g0 : g1) + (r % 8) * Kernel::kBytes);
+    for (int c = 0; c < 8; ++c) chunk[c][r] = row.chunk[c];
+    for (int j = 0; j < (kQ6 ? 16 : 8); ++j) scales[j][r] = row.scales[j];
+    for (int p = 0; p < 8; ++p) pairs[p][r] = row.pairs[p];
+    d[r] = row.d;
+    dmin[r] = row.dmin;
   }
   for (int c = 0; c < 8; ++c) transpose_16x8(chunk[c], t.codes + 8 * c);
   for (int j = 0; j < (kQ6 ? 16 : 8); ++j) t.scales[j] = _mm512_load_si512(scales[j]);
