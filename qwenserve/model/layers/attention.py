@@ -28,8 +28,8 @@ def is_quantized(dtype: torch.dtype) -> bool:
     return dtype.itemsize == 1
 
 
-# The scales' dtype: 2 bytes beside head_dim code bytes (64 for Qwen2.5 up to 7B: 66 bytes a token and head against
-# 128 in bf16, 1.94x the tokens; float32 scales gave 1.88x). bf16, not fp16: it spans fp8 e5m2's small scales
+# The scales' dtype: 2 bytes beside head_dim code bytes (head_dim 64, Qwen2.5-0.5B: 66 bytes a token and head
+# against 128 in bf16, 1.94x the tokens, where float32 scales gave 1.88x; head_dim 128, the larger ones: 1.97x). bf16, not fp16: it spans fp8 e5m2's small scales
 # (amax / 57344), and its coarser rounding costs nothing because the codes are computed against the rounded scale.
 KV_SCALE_DTYPE = torch.bfloat16
 
@@ -154,8 +154,9 @@ class Attention(nn.Module):
         self.scale = scale
         self._ops = cpu_ops_for(torch.empty(0).device)  # the device the model is being built on
         self._decode = self._decode_kernel if self._ops is not None else self._decode_sdpa
-        # a prompt without cached context, in bf16: our flash kernel (AVX512-BF16 pair products, float32 softmax)
-        self._bf16_prefill = self._ops is not None and self._ops.prefill_attention_supported(head_dim)
+        # a prompt without cached context in a bf16 model (the default dtype while it is built): our flash kernel
+        self._bf16_prefill = (self._ops is not None and torch.get_default_dtype() == torch.bfloat16
+                              and self._ops.prefill_attention_supported(head_dim))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_metadata: AttentionMetadata):
         """q: [T, heads, head_dim], k/v: [T, kv_heads, head_dim] (this step's tokens) -> [T, heads * head_dim]."""
@@ -170,7 +171,7 @@ class Attention(nn.Module):
             for d in md.decode:
                 out[d.token_index] = self._decode(q[d.token_index], cache, d)
             for span in md.prefills:
-                out[span.start:span.end] = self._prefill(q, k, v, cache, span)
+                self._prefill(q, k, v, cache, span, out[span.start:span.end])
         return out.reshape(q.shape[0], -1)
 
     def _decode_kernel(self, q, cache: PagedKVCache, d: DecodeGroup):
@@ -186,25 +187,24 @@ class Attention(nn.Module):
                                              enable_gqa=True)  # [B, heads, 1, d]
         return out.squeeze(2)
 
-    def _prefill(self, q, k, v, cache: PagedKVCache, span: PrefillSpan):
+    def _prefill(self, q, k, v, cache: PagedKVCache, span: PrefillSpan, out: torch.Tensor) -> None:
+        """The span's attention into out [n, heads, head_dim] (its rows of the layer's output)."""
         n = span.end - span.start
-        if span.block_table is None and n > 1 and self._bf16_prefill and q.dtype == torch.bfloat16 \
-                and k.stride(0) == v.stride(0):
-            out = q.new_empty(n, *q.shape[1:])
+        if span.block_table is None and n > 1 and self._bf16_prefill:
             self._ops.prefill_attention(out, q[span.start:span.end], k[span.start:span.end], v[span.start:span.end],
                                         self.scale)
-            return out
+            return
         query = q[span.start:span.end].transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
         if span.block_table is None:
             keys = k[span.start:span.end].transpose(0, 1).unsqueeze(0)
             values = v[span.start:span.end].transpose(0, 1).unsqueeze(0)
-            out = F.scaled_dot_product_attention(query, keys, values, is_causal=n > 1, scale=self.scale,
-                                                 enable_gqa=True)
+            attended = F.scaled_dot_product_attention(query, keys, values, is_causal=n > 1, scale=self.scale,
+                                                      enable_gqa=True)
         else:
             keys, values = (x.unsqueeze(0) for x in cache.gather(self.layer_idx, span.block_table,
                                                                   span.context_len, q.dtype))
             past = span.context_len - n  # query i sits at position past + i and sees keys 0..past + i
             mask = torch.ones(n, span.context_len, dtype=torch.bool, device=q.device).tril(diagonal=past)
-            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=self.scale,
-                                                 enable_gqa=True)
-        return out.squeeze(0).transpose(0, 1)
+            attended = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=self.scale,
+                                                      enable_gqa=True)
+        out.copy_(attended.squeeze(0).transpose(0, 1))
