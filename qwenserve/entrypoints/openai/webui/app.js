@@ -182,6 +182,7 @@ async function send(text) {
   if (answer) history.push({ role: "assistant", content: answer });
   else history.pop();  // nothing came back: the user can send the message again
   if (stopped && !answer) content.textContent = "(stopped before the first token)";
+  else if (finish && !answer) content.textContent = `(no text: finish ${finish})`;  // e.g. EOS at once
   if (first !== null) showStats(bubble, start, first, end, usage, chunks, stopped ? "stopped" : finish);
 }
 
