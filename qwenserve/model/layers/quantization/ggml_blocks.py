@@ -80,7 +80,8 @@ def tiles_dense_from_rows(layer: nn.Module) -> int | None:
 
 
 def activation_levels(dtype: torch.dtype) -> int:
-    """How many int8 codes ggml_mm gives each activation: one (llama.cpp's q8_0 / q8_K) in bf16 and fp16 runs;
+    """How many int8 codes ggml_mm gives each activation of several rows (one row alone: see
+    activation_levels_for_rows): one (llama.cpp's q8_0 / q8_K) in bf16 and fp16 runs;
     two in float32 runs (the second quantizes what the first left, about 15 bits in all), so that greedy decoding
     follows the exact path (quantization none) there. Measured on the bundled model, 64 greedy tokens a prompt
     against `none` in float32, tokens equal at the same position: compare's 4 prompts and 8 more, one level
@@ -88,6 +89,15 @@ def activation_levels(dtype: torch.dtype) -> int:
     cost at batch 1 is small (the weights' streaming bounds the time), at many rows the dot products double
     (README, "Quantized weights")."""
     return 2 if dtype == torch.float32 else 1
+
+
+def activation_levels_for_rows(layer: nn.Module, rows: int) -> int:
+    """A single row (batch-1 decode) gets two codes in every dtype: there the weights' streaming bounds the step,
+    so the second code's dot products cost little (bundled model, bf16, `bench latency`: TPOT 11.8 / 12.0 ms with
+    one code, 12.7 / 12.8 with two, while 4 and 8 rows at a time lose 22-23% of their tokens/s), and greedy
+    decoding of one request then follows the exact path: compare's prompts alone, 64 tokens each, against `none`
+    float32, 196/256 equal tokens with one code, 226/256 with two."""
+    return 2 if rows == 1 else layer.act_levels
 
 
 _DENSE = UnquantizedLinearMethod()  # what a dequantized layer runs
@@ -136,12 +146,13 @@ class GGMLBlockLinearMethod(LinearMethod):
         ops = layer.ggml_ops
         x = x.contiguous() if layer.input_order is None else x.index_select(1, layer.input_order)
         out = x.new_empty(x.shape[0], layer.output_size)
+        levels = activation_levels_for_rows(layer, x.shape[0])
         if x.shape[0] < layer.dense_from_rows and layer.kernel_calls is not None and bias is layer.kernel_bias:
             # few rows, every segment a kernel call (decode): the bias rides in the kernel, and a segment that is
             # the whole output writes it without a slice (both measurable at batch 1)
             for rows_slice, raw, ggml_type, group, segment_bias in layer.kernel_calls:
                 ops.ggml_mm(out if rows_slice is None else out[:, rows_slice], x, raw, ggml_type, group, segment_bias,
-                            layer.act_levels)
+                            levels)
             return out
         dense = x.shape[0] >= layer.dense_from_rows
         x_dense = x.to(layer.dense_dtype) if dense else None
@@ -153,7 +164,7 @@ class GGMLBlockLinearMethod(LinearMethod):
                 _dense_by_slices(out[:, offset:offset + rows], x_dense, segment, ops)
             else:
                 ops.ggml_mm(out[:, offset:offset + rows], x, segment.raw, int(segment.ggml_type), segment.group,
-                            None, layer.act_levels)
+                            None, levels)
         if bias is not None:
             out += bias
         return out
