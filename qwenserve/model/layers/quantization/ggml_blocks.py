@@ -49,23 +49,24 @@ def dense_route(dtype: torch.dtype) -> tuple[int, torch.dtype]:
     return 128, torch.float32
 
 
-# The types whose tile kernel beats the dense route at any row count (without AMX); the K-quants' does up to about
-# 128 rows. Measured on 2 cores of an AMD EPYC with AVX512-VNNI and -BF16, ms at 32 / 128 / 512 rows, tile kernel
-# against dequantize + bf16 matmul: Q5_0 [9728, 896] 1.05 / 2.49 / 9.5 (8-row tiles; the 16-row ones take about
-# 0.6x of that) against 1.13 / 2.76 / 9.8 for the matmul alone; with the K-quants' 16-row tiles, [896, 4864] at
-# 32 / 64 / 128 / 256 rows against the dense route: Q6_K 0.51 / 0.92 / 1.77-2.09 / 3.49 against 0.86 / 1.28 /
-# 1.88 / 3.16, Q4_K 0.44 / 0.79 / 1.54 / 3.03 against 0.81 / 1.14 / 1.80 / 3.20.
-TILES_BEAT_DENSE = {Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0}
-K_QUANT_TILES_DENSE_FROM_ROWS = 128
+# Without AMX every tile kernel beats the dense route (dequantize + bf16 matmul) at any row count. Measured on 2
+# cores of an AMD EPYC (Zen 5) with AVX512-VNNI and -BF16, through the layer, ms at 32 / 128 / 512 / 1024 rows,
+# tiles against the dense route: Q5_0 [9728, 896] 1.05 / 2.49 / 9.5 (8-row tiles; the 16-row ones take about 0.6x
+# of that) against 1.13 / 2.76 / 9.8 for the matmul alone; since the K-quants' 16-row sweeps keep a sub-block's
+# codes in registers, [896, 4864] Q6_K 0.41 / 1.31 / 4.95 / 10.5 against 0.98 / 2.01 / 5.62 / 10.8, Q4_K 0.37 /
+# 1.24 / 4.82 / 9.74 against 0.99 / 2.06 / 5.70 / 10.9 (before that they lost from about 128 rows).
+# With AMX (not measured: no AMX machine was at hand) the 32-block types keep the dense route from 512 rows, the
+# K-quants always (AMX's bf16 is several times VNNI's int8 rate).
+AMX_32_BLOCKS_DENSE_FROM_ROWS = 512
+K_QUANTS = {Q.Q4_K, Q.Q5_K, Q.Q6_K}
 
 
 def tiles_dense_from_rows(layer: nn.Module) -> int | None:
     """From how many rows the layer should take the dense route, given ggml_mm's VNNI tile kernel; None where the
-    tile kernel does not run every segment (or AMX, several times faster at bf16, is there for the K-quants).
-    With AMX the 32-block types keep the dense route from 512 rows (not measured: no AMX machine was at hand).
-    Where that route would multiply in float32, the tiles win at every row count, two activation levels and all
-    (float32 run of the bundled model, K-quants dense from 64 rows against never: 1024-token prefill 2.35-2.43 s
-    against 1.94-2.04, 128 tokens 284-338 ms against 231-233)."""
+    tile kernel does not run every segment (or AMX is there for the K-quants). Without AMX, never (sys.maxsize):
+    see AMX_32_BLOCKS_DENSE_FROM_ROWS. Where that route would multiply in float32, the tiles win at every row count
+    too, two activation levels and all (float32 run of the bundled model, K-quants dense from 64 rows against
+    never: 1024-token prefill 2.35-2.43 s against 1.94-2.04, 128 tokens 284-338 ms against 231-233)."""
     tiles = getattr(layer.ggml_ops, "ggml_mm_tiles", None)
     segments = [segment for _, segment in layer.segments]
     if tiles is None or not all(isinstance(s, GGMLTensor) and s.group != 1 and tiles(int(s.ggml_type))
@@ -73,10 +74,9 @@ def tiles_dense_from_rows(layer: nn.Module) -> int | None:
         return None
     if layer.dense_dtype == torch.float32:
         return sys.maxsize
-    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
-    if all(s.ggml_type in TILES_BEAT_DENSE for s in segments):
-        return 512 if amx else sys.maxsize
-    return None if amx else K_QUANT_TILES_DENSE_FROM_ROWS
+    if not getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
+        return sys.maxsize
+    return None if any(s.ggml_type in K_QUANTS for s in segments) else AMX_32_BLOCKS_DENSE_FROM_ROWS
 
 
 def activation_levels(dtype: torch.dtype) -> int:
