@@ -174,7 +174,7 @@ def test_mm_many_rows_and_threads(ops, qtype):
 def test_decode_layout_gives_the_same_bits(ops, qtype):
     """The decode layout (rows in groups of 8, a block of each side by side) holds the same bytes, dequantizes to
     the same values and gives the same products up to float summation order (its kernels sum 8 rows at once; from
-    4 activation rows (K-quants: 8) on CPUs with AVX512-VNNI, 16 activation rows at a time: 17 and 35 leave
+    4 activation rows on CPUs with AVX512-VNNI, 16 activation rows at a time: 6, 17 and 35 leave
     remainders)."""
     k = 512 if GGML_QUANT_SIZES[qtype][0] == 256 else 96
     for n in (40, 48):  # 48: 16-row tiles from 16 activation rows

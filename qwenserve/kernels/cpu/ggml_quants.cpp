@@ -1422,10 +1422,10 @@ inline void store_rows(T* out, int64_t ldo, int64_t levels, int64_t m0, int r, i
 }
 
 #if QS_GGML_TILES
-// below this many activation rows the decode kernels stream the weights faster (Q6_K [896, 4864] at 4 rows: 0.179 ms
-// in tiles, 0.144 in dot8; at 8 rows 0.213 and 0.267)
-template <typename Kernel>
-constexpr int64_t kTileMinRows = Kernel::kBlock == 256 ? 8 : 4;
+// below this many activation rows the decode kernels stream the weights faster. Since the K-quant sweeps hold a
+// sub-block's codes in registers they pay from 4 rows as the 32-blocks' do: Q6_K [896, 4864] at 4 / 5 / 7 rows
+// 0.145 / 0.140 / 0.156 ms in tiles, 0.139 / 0.180 / 0.235 in dot8
+constexpr int64_t kTileMinRows = 4;
 constexpr int kTileRows = 16;        // activation rows per pass over a decoded group (their sums stay in registers)
 
 // f(std::integral_constant<int, r>) for r = 1..kTileRows: the sweeps keep a compile-time count of accumulators
@@ -1516,7 +1516,7 @@ void mm_quantized(T* out, int64_t ldo, int64_t levels, const std::vector<typenam
       mm_tiles16<Kernel>(out, ldo, levels, act.data(), M, nb, w, N, bias);
       return;
     }
-    if (w.group == kDecodeGroup && M >= kTileMinRows<Kernel>) {
+    if (w.group == kDecodeGroup && M >= kTileMinRows) {
       mm_tiles<Kernel>(out, ldo, levels, act.data(), M, nb, w, N, bias);
       return;
     }
