@@ -1102,9 +1102,14 @@ void tile16_rows(const TileBlock16* tile, int64_t nb, const ActQ8_0* act, float 
     const TileBlock16& t = tile[b];
     for (int i = 0; i < R; ++i) {
       const ActQ8_0& a = act[i * nb + b];
-      __m512i s = _mm512_set1_epi32(-kTileOffset<Kernel> * a.sum);
-      for (int q = 0; q < 8; ++q) s = _mm512_dpbusd_epi32(s, t.codes[q], broadcast_dword(a.qs + 4 * q));
-      acc[i] = add_scaled_block<Kernel>(acc[i], s, t, a);
+      // two chains of dot products, not one of 8: Q5_0 [9728, 896] at 32 / 512 rows 0.541-0.561 / 6.86-7.15 ms
+      // -> 0.523-0.526 / 6.42-7.08, alternating builds (the integer sums, so the results, are the same)
+      __m512i s = _mm512_set1_epi32(-kTileOffset<Kernel> * a.sum), s1 = _mm512_setzero_si512();
+      for (int q = 0; q < 8; q += 2) {
+        s = _mm512_dpbusd_epi32(s, t.codes[q], broadcast_dword(a.qs + 4 * q));
+        s1 = _mm512_dpbusd_epi32(s1, t.codes[q + 1], broadcast_dword(a.qs + 4 * q + 4));
+      }
+      acc[i] = add_scaled_block<Kernel>(acc[i], _mm512_add_epi32(s, s1), t, a);
     }
   }
   for (int i = 0; i < R; ++i) _mm512_storeu_ps(res[i], acc[i]);
