@@ -50,13 +50,13 @@ def dense_route(dtype: torch.dtype) -> tuple[int, torch.dtype]:
 
 
 # Without AMX every tile kernel beats the dense route (dequantize + bf16 matmul) at any row count. Measured on 2
-# cores of an AMD EPYC (Zen 5) with AVX512-VNNI and -BF16, through the layer, ms at 32 / 128 / 512 / 1024 rows,
-# tiles against the dense route: Q5_0 [9728, 896] 1.05 / 2.49 / 9.5 (8-row tiles; the 16-row ones take about 0.6x
-# of that) against 1.13 / 2.76 / 9.8 for the matmul alone; since the K-quants' 16-row sweeps keep a sub-block's
-# codes in registers, [896, 4864] Q6_K 0.41 / 1.31 / 4.95 / 10.5 against 0.98 / 2.01 / 5.62 / 10.8, Q4_K 0.37 /
-# 1.24 / 4.82 / 9.74 against 0.99 / 2.06 / 5.70 / 10.9 (before that they lost from about 128 rows).
-# With AMX (not measured: no AMX machine was at hand) the 32-block types keep the dense route from 512 rows, the
-# K-quants always (AMX's bf16 is several times VNNI's int8 rate).
+# cores of an AMD EPYC (Zen 5) with AVX512-VNNI and -BF16, through the layer, ms, tiles against the dense route:
+# Q5_0 [9728, 896] at 32 / 128 / 512 rows 1.05 / 2.49 / 9.5 (8-row tiles; the 16-row ones take about 0.6x of
+# that) against 1.13 / 2.76 / 9.8 for the matmul alone. Since the K-quants' 16-row sweeps keep a sub-block's codes
+# in registers, [896, 4864] at 32 / 128 / 512 / 1024 rows: Q6_K 0.41 / 1.31 / 4.95 / 10.5 against 0.98 / 2.01 /
+# 5.62 / 10.8, Q4_K 0.37 / 1.24 / 4.82 / 9.74 against 0.99 / 2.06 / 5.70 / 10.9 (before that they lost from about
+# 128 rows). With AMX (not measured: no AMX machine was at hand) the 32-block types keep the dense route from 512
+# rows, the K-quants always (AMX's bf16 is several times VNNI's int8 rate).
 AMX_32_BLOCKS_DENSE_FROM_ROWS = 512
 K_QUANTS = {Q.Q4_K, Q.Q5_K, Q.Q6_K}
 
@@ -95,8 +95,9 @@ def activation_levels_for_rows(layer: nn.Module, rows: int) -> int:
     """A single row (batch-1 decode) gets two codes in every dtype: there the weights' streaming bounds the step,
     so the second code's dot products cost little (bundled model, bf16, `bench latency`: TPOT 11.8 / 12.0 ms with
     one code, 12.7 / 12.8 with two, while 4 and 8 rows at a time lose 22-23% of their tokens/s), and greedy
-    decoding of one request then follows the exact path: compare's prompts alone, 64 tokens each, against `none`
-    float32, 196/256 equal tokens with one code, 226/256 with two."""
+    decoding of one request then follows the exact path: compare's prompts alone, 64 tokens each, equal tokens
+    against `none` bf16 206/256 with one code, 256/256 with two (against `none` float32 196 and 226, as many as
+    `none` bf16's own)."""
     return 2 if rows == 1 else layer.act_levels
 
 
