@@ -124,7 +124,7 @@ void attend_rows(const c10::BFloat16* const* q, int64_t pos, const uint32_t* kp,
     for (int c = 0; c < kVecs; ++c) {
       alignas(64) float o[16];
       _mm512_store_ps(o, _mm512_mul_ps(acc[r][c], inv));
-      for (int i = 0; i < 16; ++i) out[r][16 * c + i] = c10::BFloat16(o[i]);
+      for (int i = 0; i < 16; ++i) out[r][16 * c + i] = from_float<c10::BFloat16>(o[i]);
     }
   }
 }

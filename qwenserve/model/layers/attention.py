@@ -29,8 +29,9 @@ def is_quantized(dtype: torch.dtype) -> bool:
 
 
 # The scales' dtype: 2 bytes beside head_dim code bytes (head_dim 64, Qwen2.5-0.5B: 66 bytes a token and head
-# against 128 in bf16, 1.94x the tokens, where float32 scales gave 1.88x; head_dim 128, the larger ones: 1.97x). bf16, not fp16: it spans fp8 e5m2's small scales
-# (amax / 57344), and its coarser rounding costs nothing because the codes are computed against the rounded scale.
+# against 128 in bf16, 1.94x the tokens, where float32 scales gave 1.88x; head_dim 128, the larger ones: 1.97x).
+# bf16, not fp16: it spans fp8 e5m2's small scales (amax / 57344), and its coarser rounding costs nothing because
+# the codes are computed against the rounded scale.
 KV_SCALE_DTYPE = torch.bfloat16
 
 

@@ -72,9 +72,7 @@ def tiles_dense_from_rows(layer: nn.Module) -> int | None:
     if tiles is None or not all(isinstance(s, GGMLTensor) and s.group != 1 and tiles(int(s.ggml_type))
                                 for s in segments):
         return None
-    if layer.dense_dtype == torch.float32:
-        return sys.maxsize
-    if not getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
+    if layer.dense_dtype == torch.float32 or not getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
         return sys.maxsize
     return None if any(s.ggml_type in K_QUANTS for s in segments) else AMX_32_BLOCKS_DENSE_FROM_ROWS
 
