@@ -125,6 +125,7 @@ def test_bench_kernels_times_every_weight_shape(ops, tmp_path, capsys):
             assert figures["ms"] > 0 and figures["GB/s"] > 0 and figures["GFLOP/s"] > 0, (entry, variant)
 
 
+@pytest.mark.multiproc
 def test_bench_allreduce_times_both_paths(capsys):
     assert main(["bench", "allreduce", "--iters", "2", "--json"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -7,7 +7,7 @@ import torch
 
 from qwenserve import LLM, SamplingParams
 from qwenserve.entrypoints.cli.main import main
-from qwenserve.tools.compare import compare_one
+from qwenserve.tools.compare import compare_one, hf_greedy, load_hf_model
 
 from helpers import save_gguf, save_hf_dir, tiny_hf_model
 
@@ -18,15 +18,6 @@ def _greedy(path: str, ids: list[int], n: int) -> list[int]:
     llm = LLM(path, dtype="float32", kv_cache_memory="4MiB")
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     return llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0].token_ids
-
-
-def _hf_greedy(path: str, ids: list[int], n: int) -> list[int]:
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-    return out[0, len(ids):].tolist()
 
 
 @pytest.mark.parametrize("source", ["hf", "gguf"])
@@ -41,7 +32,7 @@ def test_convert_output_loads_in_hf_and_qwenserve_with_same_greedy_tokens(tmp_pa
     original = _greedy(src, PROMPT_IDS, 16)
     converted = _greedy(out, PROMPT_IDS, 16)
     assert converted == original
-    assert _hf_greedy(out, PROMPT_IDS, 16) == original
+    assert hf_greedy(load_hf_model(out), PROMPT_IDS, 16)[0] == original
 
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(out)
@@ -63,12 +54,9 @@ def test_generate_prints_the_greedy_completion(tmp_path, capsys):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(src)
     ids = tok.encode("the cat", add_special_tokens=False)
-    expected = _hf_greedy(src, ids, 8)
+    expected = hf_greedy(load_hf_model(src), ids, 8, {tok.convert_tokens_to_ids("<|im_end|>")})[0]  # ends at EOS
     assert main(["generate", "--model", src, "--prompt", "the cat", "--max-tokens", "8", "--dtype", "float32"]) == 0
     printed = capsys.readouterr().out
-    eos = tok.convert_tokens_to_ids("<|im_end|>")
-    if eos in expected:  # generate stops at EOS, HF's min_new_tokens did not
-        expected = expected[:expected.index(eos) + 1]
     assert printed == tok.decode(expected, skip_special_tokens=True) + "\n"
 
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from qwenserve import LLM, SamplingParams
+from qwenserve.tools.compare import hf_greedy
 
 from helpers import record_preemptions, save_hf_dir, tiny_hf_model
 
@@ -26,13 +27,6 @@ def prompts(lengths, vocab=300, seed=0):
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-def hf_greedy(hf, ids, n):
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                          attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-    return out[0, len(ids):].tolist()
-
-
 def token_ids(outputs):
     return [o.outputs[0].token_ids for o in outputs]
 
@@ -53,7 +47,7 @@ def test_mixed_batch_equals_each_alone_and_hf(tiny, llm):
     batched = token_ids(run(llm, ps, max_tokens=20, **GREEDY))
     alone = [token_ids(run(llm, [p], max_tokens=20, **GREEDY))[0] for p in ps]
     assert batched == alone
-    assert batched == [hf_greedy(hf, p, 20) for p in ps]
+    assert batched == [hf_greedy(hf, p, 20)[0] for p in ps]
     assert_no_leak(llm)
 
 
@@ -61,7 +55,7 @@ def test_chunked_prefill_gives_the_same_tokens(tiny):
     hf, path = tiny
     ps = prompts([150, 70, 5], seed=1)
     chunked = LLM(path, dtype="float32", kv_cache_memory="8MiB", max_num_batched_tokens=32)
-    assert token_ids(run(chunked, ps, max_tokens=12, **GREEDY)) == [hf_greedy(hf, p, 12) for p in ps]
+    assert token_ids(run(chunked, ps, max_tokens=12, **GREEDY)) == [hf_greedy(hf, p, 12)[0] for p in ps]
     assert_no_leak(chunked)
 
 
@@ -83,7 +77,7 @@ def test_grouped_sdpa_decode_without_kernels_equals_hf(tiny, monkeypatch):
     with kernels.disabled():  # the layers and the runner choose their implementation when built
         plain = LLM(path, dtype="float32", kv_cache_memory="8MiB")
     ps = prompts([3, 5, 8, 12, 40, 60, 90, 120], seed=21)
-    assert token_ids(run(plain, ps, max_tokens=12, **GREEDY)) == [hf_greedy(hf, p, 12) for p in ps]
+    assert token_ids(run(plain, ps, max_tokens=12, **GREEDY)) == [hf_greedy(hf, p, 12)[0] for p in ps]
     assert max(group_counts) == MAX_DECODE_GROUPS
     assert_no_leak(plain)
 

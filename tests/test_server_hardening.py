@@ -1,4 +1,4 @@
-"""The server in front of untrusted clients (issue 11, items 1-3 and 7): bounded fan-out, OpenAI-shaped errors for
+"""The server in front of untrusted clients: bounded fan-out, OpenAI-shaped errors for
 everything, one access line per request and no tracebacks for disconnects, prompts kept out of the logs, the API
 key, CORS and TLS. Live servers on loopback ports, driven by the openai client, httpx and raw sockets."""
 import asyncio
@@ -340,6 +340,7 @@ def test_serve_flags_default_to_the_servers_defaults():
     assert build_parser().parse_args(["serve", "--max-request-bytes", "1MiB"]).max_request_bytes == 1 << 20
 
 
+@pytest.mark.multiproc
 def test_serve_command_tls_env_key_and_quiet_logs(model_dir, tmp_path):
     """`qwenserve serve` as users start it: HTTPS with a self-signed certificate, the key from
     QWENSERVE_API_KEY, CORS for one origin; its log has our access lines, not uvicorn's, and a client that

@@ -1,4 +1,4 @@
-"""The storm (issue 11): 32 concurrent clients against a live server, 10% of them leaving mid-stream and 5% sending
+"""The storm: 32 concurrent clients against a live server, 10% of them leaving mid-stream and 5% sending
 malformed or hostile requests (n=100000, invalid JSON, a huge max_tokens, wrong types, an unknown role, an
 oversized body), made by `bench serve --storm`'s own traffic generator. No valid request is lost, every bad one gets
 a 4xx OpenAI-shaped error, the clients that left are counted as aborted, and afterwards nothing runs or waits and
