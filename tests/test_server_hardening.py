@@ -6,7 +6,6 @@ import logging
 import os
 import re
 import socket
-import threading
 import time
 
 import httpx
@@ -21,7 +20,8 @@ from qwenserve.entrypoints.openai.serving_completion import OpenAIServingComplet
 from qwenserve.entrypoints.openai.serving_engine import OpenAIServing
 from qwenserve.sample.sampling_params import SamplingParams
 
-from helpers import live_server, save_hf_dir, self_signed_cert, serve_process, tiny_hf_model, wait_idle_and_clean
+from helpers import (hold_engine_thread, live_server, save_hf_dir, self_signed_cert, serve_process, tiny_hf_model,
+                     wait_idle_and_clean)
 
 KEY = "hardening-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -257,12 +257,9 @@ def test_a_client_disconnect_is_one_info_line(url, engine, caplog, monkeypatch, 
         if stream:
             with httpx.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
                 next(line for line in r.iter_lines() if line.startswith("data: "))  # leave after the first chunk
-        else:  # the engine is mid-step, so the request is surely still running when the client gives up
-            busy = threading.Thread(target=lambda: asyncio.run(engine.call(lambda e: time.sleep(0.5))))
-            busy.start()
-            with pytest.raises(httpx.TimeoutException):
+        else:  # the engine is held mid-step until the client has given up, so the request runs only after that
+            with hold_engine_thread(engine), pytest.raises(httpx.TimeoutException):
                 httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=0.1)
-            busy.join()
         wait_idle_and_clean(engine)
         [line] = access_records(caplog, headers["X-Request-Id"])
     assert line.levelno == logging.INFO and line.status == 499 and line.getMessage().endswith("client disconnected")
