@@ -20,6 +20,7 @@ def _greedy(path: str, ids: list[int], n: int) -> list[int]:
     return llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0].token_ids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", ["hf", "gguf"])
 def test_convert_output_loads_in_hf_and_qwenserve_with_same_greedy_tokens(tmp_path, source):
     hf = tiny_hf_model(seed=21)
@@ -86,6 +87,7 @@ def test_cli_errors_are_one_clear_line(tmp_path, capsys, argv, message):
     assert message in err and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_compare_reports_equality_as_json(tmp_path, capsys):
     src = save_hf_dir(tiny_hf_model(seed=26), str(tmp_path / "src"))
     prompts = tmp_path / "prompts.json"

@@ -134,6 +134,7 @@ def test_paged_decode_attention_rejects_a_context_beyond_its_table(ops):
         ops.paged_decode_attention(torch.empty_like(q), q, cache, cache, torch.tensor([[0, 1]]), torch.tensor([5]), 1.0)
 
 
+@pytest.mark.slow
 def test_engine_gives_the_same_tokens_with_and_without_kernels(ops, tmp_path):
     hf = tiny_hf_model(seed=5, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     path = save_hf_dir(hf, str(tmp_path))

@@ -41,6 +41,7 @@ def assert_no_leak(llm):
     assert kv.num_free_blocks == kv.num_blocks, "blocks still referenced after every request ended"
 
 
+@pytest.mark.slow
 def test_mixed_batch_equals_each_alone_and_hf(tiny, llm):
     hf, _ = tiny
     ps = prompts([3, 17, 40, 1, 64, 9, 33, 120])
@@ -51,6 +52,7 @@ def test_mixed_batch_equals_each_alone_and_hf(tiny, llm):
     assert_no_leak(llm)
 
 
+@pytest.mark.slow
 def test_chunked_prefill_gives_the_same_tokens(tiny):
     hf, path = tiny
     ps = prompts([150, 70, 5], seed=1)
@@ -59,6 +61,7 @@ def test_chunked_prefill_gives_the_same_tokens(tiny):
     assert_no_leak(chunked)
 
 
+@pytest.mark.slow
 def test_grouped_sdpa_decode_without_kernels_equals_hf(tiny, monkeypatch):
     """Without the CPU kernels, a decode batch of 8+ sequences whose contexts differ more than 2x runs as 4
     SDPA groups, each padded only to its own longest context; the tokens stay HF's."""
@@ -82,6 +85,7 @@ def test_grouped_sdpa_decode_without_kernels_equals_hf(tiny, monkeypatch):
     assert_no_leak(plain)
 
 
+@pytest.mark.slow
 def test_preemption_keeps_greedy_output(tiny, llm):
     _, path = tiny
     ps = prompts([40, 50, 60, 45, 55, 35], seed=2)

@@ -22,7 +22,11 @@ SHAPES = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(SHAPES))
+QUICK_SHAPE = "untied-gqa"  # the quick loop's one shape; the others run with the slow tests
+
+
+@pytest.fixture(scope="module", params=[pytest.param(name, marks=() if name == QUICK_SHAPE else pytest.mark.slow)
+                                        for name in sorted(SHAPES)])
 def pair(request, tmp_path_factory):
     """(HF model, our loaded model) on the same random weights, both float32."""
     hf = tiny_hf_model(seed=len(request.param), **SHAPES[request.param])
