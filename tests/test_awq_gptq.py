@@ -208,6 +208,7 @@ def test_without_kernels_the_weights_are_dense_from_the_formula(tmp_path):
     torch.testing.assert_close(full_logits(model, ids), full_logits(exact, ids))
 
 
+@pytest.mark.slow
 def test_engine_generates_from_an_awq_checkpoint(ops, tmp_path):
     quant_dir, dense_dir = write_quantized(tmp_path, "awq")
     prompts = ["the cat", "in the"]

@@ -111,6 +111,7 @@ def test_compare_finds_first_divergence():
     assert not r.equal and r.first_divergence == 2
 
 
+@pytest.mark.slow
 def test_chat_streams_replies_and_keeps_the_conversation(tmp_path):
     import io
 

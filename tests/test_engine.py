@@ -99,6 +99,7 @@ def test_preemption_keeps_greedy_output(tiny, llm):
     assert_no_leak(tight)
 
 
+@pytest.mark.slow
 def test_prefix_caching_reuses_blocks_without_changing_output(tiny, llm):
     _, path = tiny
     shared = prompts([100], seed=3)[0]
@@ -122,6 +123,7 @@ def test_identical_prompts_in_one_batch_share_blocks(tiny, llm):
     assert [o.num_cached_tokens for o in outs][1:] == [64, 64]
 
 
+@pytest.mark.slow
 def test_n_samples_share_prompt_blocks_and_are_reproducible(tiny, llm):
     p = prompts([50], seed=6)[0]
     params = SamplingParams(n=4, temperature=1.0, seed=123, max_tokens=12, ignore_eos=True)
@@ -142,6 +144,7 @@ def test_n_samples_share_prompt_blocks_and_are_reproducible(tiny, llm):
     assert_no_leak(llm)
 
 
+@pytest.mark.slow
 def test_seeded_sampling_is_independent_of_the_batch(llm):
     p = prompts([20], seed=7)[0]
     seeded = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=7, max_tokens=16, ignore_eos=True)
@@ -197,6 +200,7 @@ def test_max_tokens_min_tokens_and_stop_token_ids(llm):
     assert stop_id not in held.token_ids[:first_hit + 2]
 
 
+@pytest.mark.slow
 def test_eos_ends_a_request_unless_ignored(tiny):
     _, path = tiny
     llm = LLM(path, dtype="float32", kv_cache_memory="8MiB")
@@ -211,6 +215,7 @@ def test_eos_ends_a_request_unless_ignored(tiny):
     assert ignored.token_ids == free and ignored.finish_reason == "length"
 
 
+@pytest.mark.slow
 def test_stop_strings_end_the_text_before_them(llm):
     p = prompts([15], seed=15)[0]
     free = run(llm, [p], max_tokens=40, **GREEDY)[0].outputs[0]

@@ -6,6 +6,7 @@ no KV block is held. (An injected step failure ending only its step's requests: 
 import asyncio
 
 import httpx
+import pytest
 
 from qwenserve.benchmarks.serve import BAD_REQUESTS, run_bench_serve, storm_kinds
 from qwenserve.config.engine_config import EngineConfig
@@ -14,6 +15,8 @@ from qwenserve.engine.llm_engine import LLMEngine
 from qwenserve.entrypoints.openai.api_server import build_app
 
 from helpers import live_server, metric_value, wait_idle_and_clean
+
+pytestmark = pytest.mark.slow  # 120 requests from 32 clients: seconds on two cores
 
 NUM_REQUESTS, CLIENTS = 120, 32  # 12 leave mid-stream, 6 are bad (one of each kind), 102 valid
 OUTPUT_LEN = 12
