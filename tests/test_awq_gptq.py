@@ -160,11 +160,10 @@ CASES = {  # id: (method, bits, group, sym, act_order, block type the layers sho
     "gptq-4bit-asym-act-order-g32": ("gptq", 4, 32, False, True, "Q4_1"),
     "gptq-8bit-sym-g128": ("gptq", 8, 128, True, False, "Q8_0"),
 }
-QUICK_CASE = "gptq-4bit-sym-g64"  # the quick loop's one case; the others run with the slow tests
 
 
-@pytest.mark.parametrize("case", [pytest.param(case, marks=() if case == QUICK_CASE else pytest.mark.slow)
-                                  for case in CASES])
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
 def test_loaded_weights_follow_the_formula_and_logits_the_dense_model(ops, tmp_path, case):
     method, bits, group, sym, act_order, block_type = CASES[case]
     quant_dir, dense_dir = write_quantized(tmp_path, method, bits, group, sym, act_order)
