@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The whole test suite, the bundled-model tests included. Sets up .venv on first use.
-# Arguments go to pytest (e.g. ./test.sh -m "not slow" for the quick loop).
+# The whole test suite, as CI runs it: every marker, the bundled-model tests included. Sets up .venv on first use.
+# Arguments go to pytest. The loop to run while editing is `./test.sh -m quick` (under a minute on two cores once
+# the CPU kernels are built, which the first run does): the tests without the markers slow, browser, ray, multiproc
+# or kernels (pyproject.toml lists what each means; e.g. ./test.sh -m "quick or multiproc" adds the process tests).
 set -euo pipefail
 cd "$(dirname "$0")"
 bash scripts/ensure_venv.sh

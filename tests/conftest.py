@@ -16,6 +16,18 @@ from qwenserve import LLM, kernels  # noqa: E402  (after sys.path and the enviro
 from helpers import PROMPTS, assert_hf_greedy, greedy_tokens, save_hf_dir, tiny_hf_model  # noqa: E402
 
 
+# the markers (declared in pyproject.toml) of the tests the quick loop leaves out
+NOT_QUICK = ("slow", "browser", "ray", "multiproc", "kernels")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects on the markers
+def pytest_collection_modifyitems(config, items):
+    """Mark `quick` every test that carries none of NOT_QUICK: `./test.sh -m quick` runs them."""
+    for item in items:
+        if not any(item.get_closest_marker(name) for name in NOT_QUICK):
+            item.add_marker(pytest.mark.quick)
+
+
 @pytest.fixture(scope="session")
 def ops():
     """Our compiled CPU kernels (torch.ops.qwenserve); a test that needs them skips, with the reason, only where

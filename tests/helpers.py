@@ -214,12 +214,21 @@ def pid_alive(pid: int) -> bool:
         return f.read().split(")")[-1].split()[0] != "Z"
 
 
-def generate_until_killed(llm, pid: int, after_s: float = 1.0, timeout: float = 30.0) -> tuple[Exception, float]:
-    """Run a long generate on llm in a thread, SIGKILL pid once it is under load (after_s), and wait for generate
-    to end: (the exception it raised, seconds from the kill until it returned). Fails if it hangs or succeeds."""
+def generate_until_killed(llm, pid: int, after_steps: int = 3, timeout: float = 30.0) -> tuple[Exception, float]:
+    """Run a long generate on llm in a thread, SIGKILL pid once it is under load (the engine has run after_steps
+    steps, so requests are decoding), and wait for generate to end: (the exception it raised, seconds from the
+    kill until it returned). Fails if it hangs or succeeds."""
     import signal
     import threading
-    result = {}
+    result, steps, loaded = {}, [], threading.Event()
+    step = llm.engine.step
+
+    def counted_step():
+        outputs = step()
+        steps.append(1)
+        if len(steps) >= after_steps:
+            loaded.set()
+        return outputs
 
     def run():
         try:
@@ -228,15 +237,28 @@ def generate_until_killed(llm, pid: int, after_s: float = 1.0, timeout: float = 
             result["error"] = e
         result["at"] = time.time()
 
+    llm.engine.step = counted_step  # an instance attribute: `del` below brings back the class's method
     thread = threading.Thread(target=run)
     thread.start()
-    time.sleep(after_s)
-    killed_at = time.time()
-    os.kill(pid, signal.SIGKILL)
-    thread.join(timeout=timeout)
+    try:
+        wait_for(lambda: loaded.is_set() or not thread.is_alive(), timeout, f"{after_steps} engine steps")
+        assert loaded.is_set(), f"generate ended after {len(steps)} steps, before the kill: {result}"
+        killed_at = time.time()
+        os.kill(pid, signal.SIGKILL)
+        thread.join(timeout=timeout)
+    finally:
+        del llm.engine.step
     assert not thread.is_alive(), "generate hung after a worker died"
     assert "error" in result, "generate finished although a worker was killed"
     return result["error"], result["at"] - killed_at
+
+
+def wait_for(condition, timeout: float = 10.0, what: str = "the condition", interval: float = 0.02) -> None:
+    """Poll condition() until it is true; fail, naming `what`, once timeout seconds have passed."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"waited {timeout} s for {what}"
+        time.sleep(interval)
 
 
 def pids_gone(pids, timeout=15.0) -> bool:
@@ -294,6 +316,32 @@ def wait_idle_and_clean(engine, timeout: float = 10.0) -> None:
             break
         time.sleep(0.05)
     assert not busy and free == total
+
+
+@contextlib.contextmanager
+def hold_engine_thread(engine, timeout: float = 30.0):
+    """Keep an AsyncLLMEngine's thread busy, as if mid-step, for the block: the hold has begun when the block
+    starts, and what callers send meanwhile (requests, aborts) waits in its queue until the block ends."""
+    import asyncio
+    import threading
+    held, release = threading.Event(), threading.Event()
+
+    def hold(_engine):
+        held.set()
+        release.wait(timeout)
+    holder = threading.Thread(target=lambda: asyncio.run(engine.call(hold)))
+    holder.start()
+    try:
+        assert held.wait(timeout), "the engine thread did not take the hold"
+        yield
+    finally:
+        release.set()
+        holder.join(timeout)
+
+
+def engine_queue_length(engine) -> int:
+    """How many commands (requests, aborts, calls) wait for an AsyncLLMEngine's thread to take them."""
+    return engine._commands.qsize()
 
 
 def self_signed_cert(directory) -> tuple[str, str]:

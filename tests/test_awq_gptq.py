@@ -162,6 +162,7 @@ CASES = {  # id: (method, bits, group, sym, act_order, block type the layers sho
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_loaded_weights_follow_the_formula_and_logits_the_dense_model(ops, tmp_path, case):
     method, bits, group, sym, act_order, block_type = CASES[case]
@@ -194,6 +195,7 @@ def test_loaded_weights_follow_the_formula_and_logits_the_dense_model(ops, tmp_p
     assert (got - want).norm() < 0.05 * want.norm()
 
 
+@pytest.mark.slow
 def test_without_kernels_the_weights_are_dense_from_the_formula(tmp_path):
     quant_dir, dense_dir = write_quantized(tmp_path, "gptq", 4, 32, act_order=True)
     with kernels.disabled():
@@ -205,6 +207,7 @@ def test_without_kernels_the_weights_are_dense_from_the_formula(tmp_path):
     torch.testing.assert_close(full_logits(model, ids), full_logits(exact, ids))
 
 
+@pytest.mark.slow
 def test_engine_generates_from_an_awq_checkpoint(ops, tmp_path):
     quant_dir, dense_dir = write_quantized(tmp_path, "awq")
     prompts = ["the cat", "in the"]

@@ -2,6 +2,7 @@
 HF baseline they build runs exactly the weights qwenserve runs."""
 import json
 
+import pytest
 import torch
 
 from qwenserve.benchmarks.common import hf_model_like, varied_workload
@@ -27,6 +28,7 @@ def test_varied_workload_is_deterministic_and_in_range():
     assert all(16 <= len(p) <= 512 for p in prompts) and all(8 <= o <= 256 for o in outputs)
 
 
+@pytest.mark.slow
 def test_bench_commands_print_one_json_line(tmp_path, capsys):
     path = save_hf_dir(tiny_hf_model(seed=62), str(tmp_path / "m"))
     common = ["--model", path, "--dtype", "float32", "--kv-cache-memory", "8MiB", "--json"]
@@ -45,6 +47,7 @@ def test_bench_commands_print_one_json_line(tmp_path, capsys):
     assert result["ttft_warm_ms"] > 0 and result["warm_cached_tokens"] == 64  # the whole 64-token prefix
 
 
+@pytest.mark.slow
 def test_bench_ppl_is_the_perplexity_of_the_served_path(tmp_path, capsys):
     """bench ppl's figure equals exp(mean NLL) computed from the model's own logits over the same sliding
     windows, every token after the first scored exactly once; and it runs on the default shipped text."""
@@ -76,6 +79,7 @@ def test_bench_ppl_is_the_perplexity_of_the_served_path(tmp_path, capsys):
     assert default["tokens"] > 1000 and default["ppl"] > 1
 
 
+@pytest.mark.slow
 def test_bench_ppl_agreement_is_the_share_of_equal_top1_predictions(tmp_path, capsys):
     """--agreement: the share of scored positions where the quantized path and the exact one predict the same
     next token, as their own logits say (1.0 when the path is the exact one)."""
@@ -106,6 +110,7 @@ def test_bench_ppl_agreement_is_the_share_of_equal_top1_predictions(tmp_path, ca
     assert abs(results["int8"]["top1_agreement"] - expected) <= 0.03
 
 
+@pytest.mark.slow
 def test_bench_kernels_times_every_weight_shape(ops, tmp_path, capsys):
     """One row per (layer kind, block types, shape) and M, each variant's time turned into GB/s and GFLOP/s."""
     hf = tiny_hf_model(seed=63, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
@@ -125,6 +130,7 @@ def test_bench_kernels_times_every_weight_shape(ops, tmp_path, capsys):
             assert figures["ms"] > 0 and figures["GB/s"] > 0 and figures["GFLOP/s"] > 0, (entry, variant)
 
 
+@pytest.mark.multiproc
 def test_bench_allreduce_times_both_paths(capsys):
     assert main(["bench", "allreduce", "--iters", "2", "--json"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -7,7 +7,7 @@ import torch
 
 from qwenserve import LLM, SamplingParams
 from qwenserve.entrypoints.cli.main import main
-from qwenserve.tools.compare import compare_one
+from qwenserve.tools.compare import compare_one, hf_greedy, load_hf_model
 
 from helpers import save_gguf, save_hf_dir, tiny_hf_model
 
@@ -20,15 +20,7 @@ def _greedy(path: str, ids: list[int], n: int) -> list[int]:
     return llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0].token_ids
 
 
-def _hf_greedy(path: str, ids: list[int], n: int) -> list[int]:
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-    return out[0, len(ids):].tolist()
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("source", ["hf", "gguf"])
 def test_convert_output_loads_in_hf_and_qwenserve_with_same_greedy_tokens(tmp_path, source):
     hf = tiny_hf_model(seed=21)
@@ -41,7 +33,7 @@ def test_convert_output_loads_in_hf_and_qwenserve_with_same_greedy_tokens(tmp_pa
     original = _greedy(src, PROMPT_IDS, 16)
     converted = _greedy(out, PROMPT_IDS, 16)
     assert converted == original
-    assert _hf_greedy(out, PROMPT_IDS, 16) == original
+    assert hf_greedy(load_hf_model(out), PROMPT_IDS, 16)[0] == original
 
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(out)
@@ -63,12 +55,9 @@ def test_generate_prints_the_greedy_completion(tmp_path, capsys):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(src)
     ids = tok.encode("the cat", add_special_tokens=False)
-    expected = _hf_greedy(src, ids, 8)
+    expected = hf_greedy(load_hf_model(src), ids, 8, {tok.convert_tokens_to_ids("<|im_end|>")})[0]  # ends at EOS
     assert main(["generate", "--model", src, "--prompt", "the cat", "--max-tokens", "8", "--dtype", "float32"]) == 0
     printed = capsys.readouterr().out
-    eos = tok.convert_tokens_to_ids("<|im_end|>")
-    if eos in expected:  # generate stops at EOS, HF's min_new_tokens did not
-        expected = expected[:expected.index(eos) + 1]
     assert printed == tok.decode(expected, skip_special_tokens=True) + "\n"
 
 
@@ -98,6 +87,7 @@ def test_cli_errors_are_one_clear_line(tmp_path, capsys, argv, message):
     assert message in err and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_compare_reports_equality_as_json(tmp_path, capsys):
     src = save_hf_dir(tiny_hf_model(seed=26), str(tmp_path / "src"))
     prompts = tmp_path / "prompts.json"
@@ -121,6 +111,7 @@ def test_compare_finds_first_divergence():
     assert not r.equal and r.first_divergence == 2
 
 
+@pytest.mark.slow
 def test_chat_streams_replies_and_keeps_the_conversation(tmp_path):
     import io
 

@@ -26,6 +26,7 @@ def dp_llm(parallel_tiny):
     llm.engine.shutdown()
 
 
+@pytest.mark.multiproc
 def test_two_replicas_give_one_replicas_tokens(dp_llm, single_process_tokens):
     engine = dp_llm.engine
     assert isinstance(engine, DataParallelEngine) and len(engine.replicas) == 2
@@ -38,6 +39,7 @@ def test_two_replicas_give_one_replicas_tokens(dp_llm, single_process_tokens):
     assert not cpus[0] & cpus[1] or len(os.sched_getaffinity(0)) < 2
 
 
+@pytest.mark.multiproc
 def test_a_request_goes_where_its_prefix_is_cached(dp_llm):
     engine = dp_llm.engine
     shared = list(range(40, 40 + 64))  # four whole blocks of 16
@@ -82,6 +84,7 @@ def _serve(path, **kwargs):
     return engine, build_app(engine, ["tiny"], metrics_public=True)
 
 
+@pytest.mark.multiproc
 def test_server_streams_from_two_replicas_as_from_one(parallel_tiny):
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(8)]
     results = {}
@@ -103,6 +106,7 @@ def test_server_streams_from_two_replicas_as_from_one(parallel_tiny):
     assert sum(chunks for _, chunks in results[2]) > 2 * len(prompts)  # streamed, not one chunk each
 
 
+@pytest.mark.multiproc
 def test_a_dead_replica_leaves_the_pool(parallel_tiny):
     engine, app = _serve(parallel_tiny[1], data_parallel_size=2, max_num_seqs=2)
     dp = engine.engine

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 import torch
@@ -34,6 +35,8 @@ from helpers import (
     tiny_hf_model,
 )
 
+
+@pytest.mark.multiproc
 @pytest.mark.parametrize("tp,pp,extra", [
     (2, 1, {}),
     (1, 2, {}),
@@ -55,6 +58,7 @@ def test_greedy_tokens_equal_one_process(parallel_tiny, single_process_tokens, t
     assert pids_gone([p.pid for p in llm.engine.executor._procs], timeout=5)
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("fmt", ["hf-tied", "gguf"])
 def test_pipeline_stages_load_only_their_part(tmp_path, fmt):
     """A tied LM head on a last stage without the embedding loads its own copy; GGUF blocks stay blocks."""
@@ -111,6 +115,7 @@ def test_bad_parallel_settings_are_named(parallel_tiny, monkeypatch):
         LLM(path, tensor_parallel_size=2)
 
 
+@pytest.mark.multiproc
 def test_worker_start_failure_is_raised_in_the_engine(parallel_tiny, tmp_path):
     """A checkpoint that breaks in the worker (a tensor of the wrong shape) raises the worker's error here."""
     hf, path = parallel_tiny
@@ -123,6 +128,7 @@ def test_worker_start_failure_is_raised_in_the_engine(parallel_tiny, tmp_path):
         LLM(bad, dtype="float32", pipeline_parallel_size=2)
 
 
+@pytest.mark.multiproc
 def test_killed_worker_fails_requests_within_seconds(parallel_tiny):
     _, path = parallel_tiny
     llm = LLM(path, dtype="float32", tensor_parallel_size=2, max_num_seqs=2)
@@ -136,6 +142,7 @@ def test_killed_worker_fails_requests_within_seconds(parallel_tiny):
         greedy_tokens(llm, PROMPTS[:1])
 
 
+@pytest.mark.multiproc
 def test_no_worker_outlives_an_engine_killed_with_sigkill(parallel_tiny, tmp_path):
     _, path = parallel_tiny
     script = tmp_path / "engine.py"
@@ -183,6 +190,7 @@ def test_shm_queue_carries_large_messages_to_every_reader():
     q.close()
 
 
+@pytest.mark.multiproc
 def test_server_answers_5xx_and_turns_unhealthy_when_a_worker_dies(parallel_tiny):
     import asyncio
 
@@ -206,7 +214,10 @@ def test_server_answers_5xx_and_turns_unhealthy_when_a_worker_dies(parallel_tiny
             assert (await c.get("/health")).status_code == 200
             body = {"prompt": [5, 6, 7], "max_tokens": 250, "ignore_eos": True, "temperature": 0}
             pending = asyncio.gather(*[c.post("/v1/completions", json=body) for _ in range(8)])
-            await asyncio.sleep(1.0)
+            deadline = time.monotonic() + 30
+            while (stats := await engine.stats())["running"] != 1 or stats["waiting"] != 7:  # all in, one decoding
+                assert time.monotonic() < deadline, f"the requests did not all arrive: {stats}"
+                await asyncio.sleep(0.02)
             os.kill(pids[0], signal.SIGKILL)
             failed = (await asyncio.wait_for(pending, timeout=10))[-1]
             later = await c.post("/v1/completions", json={**body, "max_tokens": 2})
@@ -235,6 +246,7 @@ def _shm_rank(rank, world, port, out):
     out.put((rank, results))
 
 
+@pytest.mark.multiproc
 def test_shm_all_reduce_sums_in_rank_order_on_every_rank():
     world = 3
     ctx = multiprocessing.get_context("spawn")

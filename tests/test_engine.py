@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from qwenserve import LLM, SamplingParams
+from qwenserve.tools.compare import hf_greedy
 
 from helpers import record_preemptions, save_hf_dir, tiny_hf_model
 
@@ -26,13 +27,6 @@ def prompts(lengths, vocab=300, seed=0):
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-def hf_greedy(hf, ids, n):
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                          attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-    return out[0, len(ids):].tolist()
-
-
 def token_ids(outputs):
     return [o.outputs[0].token_ids for o in outputs]
 
@@ -47,24 +41,27 @@ def assert_no_leak(llm):
     assert kv.num_free_blocks == kv.num_blocks, "blocks still referenced after every request ended"
 
 
+@pytest.mark.slow
 def test_mixed_batch_equals_each_alone_and_hf(tiny, llm):
     hf, _ = tiny
     ps = prompts([3, 17, 40, 1, 64, 9, 33, 120])
     batched = token_ids(run(llm, ps, max_tokens=20, **GREEDY))
     alone = [token_ids(run(llm, [p], max_tokens=20, **GREEDY))[0] for p in ps]
     assert batched == alone
-    assert batched == [hf_greedy(hf, p, 20) for p in ps]
+    assert batched == [hf_greedy(hf, p, 20)[0] for p in ps]
     assert_no_leak(llm)
 
 
+@pytest.mark.slow
 def test_chunked_prefill_gives_the_same_tokens(tiny):
     hf, path = tiny
     ps = prompts([150, 70, 5], seed=1)
     chunked = LLM(path, dtype="float32", kv_cache_memory="8MiB", max_num_batched_tokens=32)
-    assert token_ids(run(chunked, ps, max_tokens=12, **GREEDY)) == [hf_greedy(hf, p, 12) for p in ps]
+    assert token_ids(run(chunked, ps, max_tokens=12, **GREEDY)) == [hf_greedy(hf, p, 12)[0] for p in ps]
     assert_no_leak(chunked)
 
 
+@pytest.mark.slow
 def test_grouped_sdpa_decode_without_kernels_equals_hf(tiny, monkeypatch):
     """Without the CPU kernels, a decode batch of 8+ sequences whose contexts differ more than 2x runs as 4
     SDPA groups, each padded only to its own longest context; the tokens stay HF's."""
@@ -83,11 +80,12 @@ def test_grouped_sdpa_decode_without_kernels_equals_hf(tiny, monkeypatch):
     with kernels.disabled():  # the layers and the runner choose their implementation when built
         plain = LLM(path, dtype="float32", kv_cache_memory="8MiB")
     ps = prompts([3, 5, 8, 12, 40, 60, 90, 120], seed=21)
-    assert token_ids(run(plain, ps, max_tokens=12, **GREEDY)) == [hf_greedy(hf, p, 12) for p in ps]
+    assert token_ids(run(plain, ps, max_tokens=12, **GREEDY)) == [hf_greedy(hf, p, 12)[0] for p in ps]
     assert max(group_counts) == MAX_DECODE_GROUPS
     assert_no_leak(plain)
 
 
+@pytest.mark.slow
 def test_preemption_keeps_greedy_output(tiny, llm):
     _, path = tiny
     ps = prompts([40, 50, 60, 45, 55, 35], seed=2)
@@ -101,6 +99,7 @@ def test_preemption_keeps_greedy_output(tiny, llm):
     assert_no_leak(tight)
 
 
+@pytest.mark.slow
 def test_prefix_caching_reuses_blocks_without_changing_output(tiny, llm):
     _, path = tiny
     shared = prompts([100], seed=3)[0]
@@ -124,6 +123,7 @@ def test_identical_prompts_in_one_batch_share_blocks(tiny, llm):
     assert [o.num_cached_tokens for o in outs][1:] == [64, 64]
 
 
+@pytest.mark.slow
 def test_n_samples_share_prompt_blocks_and_are_reproducible(tiny, llm):
     p = prompts([50], seed=6)[0]
     params = SamplingParams(n=4, temperature=1.0, seed=123, max_tokens=12, ignore_eos=True)
@@ -144,6 +144,7 @@ def test_n_samples_share_prompt_blocks_and_are_reproducible(tiny, llm):
     assert_no_leak(llm)
 
 
+@pytest.mark.slow
 def test_seeded_sampling_is_independent_of_the_batch(llm):
     p = prompts([20], seed=7)[0]
     seeded = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=7, max_tokens=16, ignore_eos=True)
@@ -199,6 +200,7 @@ def test_max_tokens_min_tokens_and_stop_token_ids(llm):
     assert stop_id not in held.token_ids[:first_hit + 2]
 
 
+@pytest.mark.slow
 def test_eos_ends_a_request_unless_ignored(tiny):
     _, path = tiny
     llm = LLM(path, dtype="float32", kv_cache_memory="8MiB")
@@ -213,6 +215,7 @@ def test_eos_ends_a_request_unless_ignored(tiny):
     assert ignored.token_ids == free and ignored.finish_reason == "length"
 
 
+@pytest.mark.slow
 def test_stop_strings_end_the_text_before_them(llm):
     p = prompts([15], seed=15)[0]
     free = run(llm, [p], max_tokens=40, **GREEDY)[0].outputs[0]

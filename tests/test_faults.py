@@ -95,6 +95,7 @@ def test_kv_cache_memory_auto_is_sized_from_available_memory(parallel_tiny):
     assert 0 < engine.kv_cache_budget <= AUTO_FRACTION * available_memory(engine.executor.worker.device) * 1.1
 
 
+@pytest.mark.multiproc
 def test_a_kv_cache_that_cannot_fit_is_refused_with_numbers(parallel_tiny):
     with pytest.raises(ConfigError, match=r"kv_cache_memory 1024\.00 GiB x 1 worker\(s\) does not fit: "
                                           r"[\d.]+ GiB available"):

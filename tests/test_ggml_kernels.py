@@ -313,6 +313,7 @@ TORCH_LIBRARY_IMPL(qwenserve_ggml_portable, CPU, m) {
 """
 
 
+@pytest.mark.kernels
 def test_portable_path_computes_the_same(ops, tmp_path):
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("the library here is already the portable build")

@@ -55,6 +55,7 @@ def test_quantized_layers_hold_the_files_blocks(ops, mixed_gguf):
                for _, seg in m.segments)
 
 
+@pytest.mark.slow
 def test_logits_follow_the_exact_path(ops, mixed_gguf):
     exact = LoadedModel(mixed_gguf, dtype="float32", quantization="none").model
     quantized = LoadedModel(mixed_gguf, dtype="float32", quantization="gguf").model

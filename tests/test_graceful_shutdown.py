@@ -1,4 +1,4 @@
-"""Graceful shutdown (issue 11, item 4): `qwenserve serve` gets SIGTERM under load. New requests get 503 and
+"""Graceful shutdown: `qwenserve serve` gets SIGTERM under load. New requests get 503 and
 /health 503 at once; the requests that can finish within --shutdown-timeout do; the others end with an
 OpenAI-shaped error; the process exits 0 soon after, its worker processes gone. Real server subprocesses."""
 import asyncio
@@ -104,6 +104,7 @@ def _error_of(status: int, body: dict, expected_status: int = 503) -> dict:
     return body["error"]
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("tp", [1, 2])
 def test_sigterm_drains_then_exits_0(model_dir, tmp_path, tp):
     """tp=1 serves HTTPS with an idle keep-alive client left open (it must not hold the exit up); tp=2 has worker

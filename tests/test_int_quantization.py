@@ -58,6 +58,7 @@ def test_int4_is_groups_of_128_with_an_offset_and_the_head_stays_int8(ops, hf_di
     assert ((blocks.dequantize() - weight).abs() <= d.repeat_interleave(128, 1).view(128, 256) * 0.5 + 1e-3).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_logits_equal_the_dense_model_on_the_rounded_weights(ops, hf_dir, method):
     model = LoadedModel(hf_dir, dtype="float32", quantization=method).model
@@ -75,6 +76,7 @@ def test_logits_equal_the_dense_model_on_the_rounded_weights(ops, hf_dir, method
     assert (got - want).norm() < 0.05 * want.norm()
 
 
+@pytest.mark.slow
 def test_from_a_gguf_file_and_through_the_engine(ops, tmp_path):
     path = save_gguf(tiny_hf_model(seed=82, **SIZES), str(tmp_path / "m.gguf"), "Q8_0")
     prompts = [{"prompt_token_ids": list(range(10, 30))}, {"prompt_token_ids": list(range(40, 47))}]

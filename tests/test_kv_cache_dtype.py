@@ -118,6 +118,7 @@ def agreement(reference, outputs):
     return same / total, gap
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("use_kernels", [True, False])
 def test_int8_cache_keeps_greedy_tokens_and_logprobs(tiny, use_kernels):
     ps = prompts([5, 40, 90, 17], seed=5)
@@ -133,6 +134,7 @@ def test_int8_cache_keeps_greedy_tokens_and_logprobs(tiny, use_kernels):
     assert_no_leak(llm)
 
 
+@pytest.mark.slow
 def test_int8_cache_with_prefix_hits_chunked_prefill_and_preemption(tiny):
     shared = prompts([48], seed=6)[0]
     ps = [shared + tail for tail in prompts([7, 20, 1, 12, 30, 3], seed=7)]

@@ -6,6 +6,7 @@ With two steps in flight (pipeline parallel), no sequence is in both, and none i
 import random
 from collections import deque
 
+import pytest
 from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
@@ -133,6 +134,7 @@ class Harness:
 
 
 # two samples that cannot fit together, two steps in flight: they used to preempt each other in turn forever
+@pytest.mark.slow
 @example(ops=[("step",)] * 9 + [("add", 1, 7, 0, 1)] + [("step",)] * 3 + [("add", 20, 6, 0, 2)], num_blocks=9,
          budget=10, max_seqs=2, prefix_caching=False, concurrent=2)
 @settings(max_examples=200, deadline=None)

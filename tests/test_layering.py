@@ -1,6 +1,10 @@
-"""Imports only go down the layers of the data path (README, "Architecture"): a module may import its own
-sub-package and those below it, never one above. Read from the source with ast, function-local imports
-included, so a lazy import cannot hide an upward dependency."""
+"""The package's dependency rules (docs/architecture.md), read from the source with ast, function-local imports
+included, so a lazy import cannot hide a dependency:
+- imports only go down the layers of the data path: a module may import its own sub-package and those below
+  it, never one above;
+- core (the scheduler and its step types) imports no model code and, from sample/, only plain data types:
+  no sample/ module core imports reaches torch;
+- only config/ and entrypoints/ read the environment: everything below receives its settings in the config."""
 import ast
 from pathlib import Path
 
@@ -12,6 +16,7 @@ PACKAGE = Path(qwenserve.__file__).parent
 LAYERS = [
     ("config",),
     ("kernels",),
+    ("distributed",),
     ("model",),
     ("sample",),
     ("core",),
@@ -59,9 +64,71 @@ def qwenserve_imports(path: Path) -> list[tuple[int, str]]:
                 continue
             if target == "qwenserve":  # `from qwenserve import x`: x may be a sub-package
                 found += [(node.lineno, f"qwenserve.{a.name}") for a in node.names]
-            else:
+                continue
+            # `from qwenserve.sample import logprob` imports the module qwenserve.sample.logprob
+            modules = {f"{target}.{a.name}" for a in node.names if module_path(f"{target}.{a.name}")}
+            found += [(node.lineno, m) for m in sorted(modules)]
+            if len(modules) < len(node.names):
                 found.append((node.lineno, target))
     return found
+
+
+def module_path(module: str) -> Path | None:
+    """The source file of a qwenserve module ('qwenserve.core.step' -> .../core/step.py), or None."""
+    base = PACKAGE.parent.joinpath(*module.split("."))
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def torch_import_line(path: Path) -> int | None:
+    """The line of the file's first torch import (function-local ones included), or None."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            lines += [node.lineno for a in node.names if a.name.split(".")[0] == "torch"]
+        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "torch":
+            lines.append(node.lineno)
+    return min(lines, default=None)
+
+
+def path_to_torch(module: str, seen: set[str]) -> list[str]:
+    """How `module` reaches torch through qwenserve modules: ['qwenserve/a.py:3 imports qwenserve.b', ...,
+    'qwenserve/b.py:6 imports torch'], or [] when it does not."""
+    path = module_path(module)
+    if path is None or module in seen:
+        return []
+    seen.add(module)
+    where = path.relative_to(PACKAGE.parent)
+    line = torch_import_line(path)
+    if line is not None:
+        return [f"{where}:{line} imports torch"]
+    for line, target in qwenserve_imports(path):
+        rest = path_to_torch(target, seen)
+        if rest:
+            return [f"{where}:{line} imports {target}"] + rest
+    return []
+
+
+# the environment's names in the os module: reading them is reading a setting
+ENVIRONMENT = {"environ", "environb", "getenv", "getenvb", "putenv", "unsetenv"}
+
+
+def environment_uses(path: Path) -> list[int]:
+    """Lines that use the environment: os.environ[...], os.environ.get, os.getenv (os under any alias), and
+    `from os import environ` (whose later uses are then bare names)."""
+    tree = ast.parse(path.read_text(), str(path))
+    os_names = {"os"} | {a.asname for node in ast.walk(tree) if isinstance(node, ast.Import)
+                         for a in node.names if a.name == "os" and a.asname}
+    lines = set()
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and node.attr in ENVIRONMENT and isinstance(node.value, ast.Name)
+                and node.value.id in os_names):
+            lines.add(node.lineno)
+        elif isinstance(node, ast.ImportFrom) and node.module == "os" and {a.name for a in node.names} & ENVIRONMENT:
+            lines.add(node.lineno)
+    return sorted(lines)
 
 
 def test_every_sub_package_has_a_layer():
@@ -95,6 +162,75 @@ def test_the_checker_sees_upward_and_lazy_imports(tmp_path, monkeypatch):
     found = [target for _, target in qwenserve_imports(fake / "core" / "bad.py")]
     assert sorted(found) == ["qwenserve.engine", "qwenserve.entrypoints.llm", "qwenserve.worker.worker"]
     assert all(RANK[sub_package(t)] > RANK["core"] for t in found)
+
+
+# torch-heavy layers the scheduler never needs: it plans steps over plain data
+CORE_MAY_NOT_IMPORT = ("kernels", "distributed", "model")
+
+
+def core_dependency_problems() -> list[str]:
+    problems = []
+    for path in sorted((PACKAGE / "core").rglob("*.py")):
+        for line, target in qwenserve_imports(path):
+            where = f"{path.relative_to(PACKAGE.parent)}:{line}"
+            if sub_package(target) in CORE_MAY_NOT_IMPORT:
+                problems.append(f"{where} imports {target}")
+            elif sub_package(target) == "sample":
+                chain = path_to_torch(target, set())
+                if chain:
+                    problems.append(f"{where} imports {target}, which reaches torch: " + "; ".join(chain))
+    return problems
+
+
+def test_core_imports_no_model_code_and_only_plain_sample_types():
+    problems = core_dependency_problems()
+    assert not problems, ("core imports model code or torch-heavy sample code (move the plain data type it "
+                          "needs into a module of its own):\n" + "\n".join(problems))
+
+
+# the entry points read the environment once, into the config; config/ holds the variables' names and parsing
+READS_ENVIRONMENT = ("config", "entrypoints")
+
+
+def environment_problems() -> list[str]:
+    problems = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if sub_package(module_name(path)) not in READS_ENVIRONMENT:
+            problems += [f"{path.relative_to(PACKAGE.parent)}:{line}" for line in environment_uses(path)]
+    return problems
+
+
+def test_only_config_and_entrypoints_read_the_environment():
+    problems = environment_problems()
+    assert not problems, ("the environment is read outside config/ and entrypoints/ (make it a config field "
+                          "whose default comes from the variable):\n" + "\n".join(problems))
+
+
+def test_the_checkers_see_torch_reached_from_core_and_environment_reads(tmp_path, monkeypatch):
+    """The two tests above would pass vacuously if nothing were found: plant each kind and see it named."""
+    fake = tmp_path / "qwenserve"
+    for sub in ("core", "sample", "model", "worker", "config"):
+        (fake / sub).mkdir(parents=True)
+        (fake / sub / "__init__.py").write_text("")
+    (fake / "__init__.py").write_text("")
+    (fake / "sample" / "record.py").write_text("from dataclasses import dataclass\n")
+    (fake / "sample" / "heavy.py").write_text("from . import helper\n")
+    (fake / "sample" / "helper.py").write_text("import math\ndef f():\n    import torch.nn\n")
+    (fake / "core" / "step.py").write_text(
+        "from qwenserve.sample import record\n"
+        "from qwenserve.sample import heavy\n"
+        "def g():\n    from ..model import layers\n")
+    (fake / "worker" / "bad.py").write_text(
+        "import os\nimport os as system\nfrom os import environ as env\n"
+        "a = os.environ['X']\nb = os.getenv('Y')\nc = system.environ.get('Z')\nd = os.path.join('e')\n")
+    (fake / "config" / "fine.py").write_text("import os\nx = os.environ.get('X')\n")
+    monkeypatch.setattr(__import__(__name__), "PACKAGE", fake)
+    assert core_dependency_problems() == [
+        "qwenserve/core/step.py:2 imports qwenserve.sample.heavy, which reaches torch: "
+        "qwenserve/sample/heavy.py:1 imports qwenserve.sample.helper; qwenserve/sample/helper.py:3 imports torch",
+        "qwenserve/core/step.py:4 imports qwenserve.model",
+    ]
+    assert environment_problems() == [f"qwenserve/worker/bad.py:{line}" for line in (3, 4, 5, 6)]
 
 
 def test_readme_layout_table_matches_the_tree():

@@ -1,8 +1,6 @@
 """The OpenAI-compatible server, live on a loopback port, driven by the official openai client and raw HTTP."""
 import asyncio
 import json
-import threading
-import time
 
 import httpx
 import openai
@@ -14,7 +12,7 @@ from qwenserve.engine.llm_engine import LLMEngine
 from qwenserve.entrypoints.openai.api_server import build_app
 from qwenserve.entrypoints.openai.serving_engine import OpenAIServing
 
-from helpers import live_server, save_hf_dir, tiny_hf_model
+from helpers import engine_queue_length, hold_engine_thread, live_server, save_hf_dir, tiny_hf_model, wait_for
 from helpers import wait_idle_and_clean as idle_and_clean
 
 KEY = "test-key"
@@ -214,12 +212,11 @@ def test_overload_gets_503_with_retry_after(tmp_path):
     async def main():
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as c:
-            busy = asyncio.ensure_future(engine.call(lambda e: time.sleep(1.0)))  # the engine is mid-step
-            await asyncio.sleep(0.1)
-            body = {"prompt": "x", "max_tokens": 4, "ignore_eos": True, "temperature": 0}
-            responses = await asyncio.gather(*[c.post("/v1/completions", json=body) for _ in range(3)])
-            await busy
-            return responses
+            with hold_engine_thread(engine):  # the engine is mid-step until all three requests are queued for it
+                body = {"prompt": "x", "max_tokens": 4, "ignore_eos": True, "temperature": 0}
+                posts = [asyncio.ensure_future(c.post("/v1/completions", json=body)) for _ in range(3)]
+                await asyncio.to_thread(wait_for, lambda: engine_queue_length(engine) == 3, what="3 queued requests")
+            return await asyncio.gather(*posts)
     try:
         responses = asyncio.run(main())
     finally:
@@ -248,13 +245,11 @@ def test_non_streaming_client_that_gives_up_is_aborted(server, monkeypatch):
     engine = server[1]
     aborted_before = asyncio.run(engine.call(lambda e: e.num_aborted))
     body = {"prompt": "go on", "max_tokens": 240, "temperature": 0, "ignore_eos": True}
-    # keep the engine thread busy so the request is still running well after the client gave up
-    busy = threading.Thread(target=lambda: asyncio.run(engine.call(lambda e: time.sleep(1.0))))
-    busy.start()
-    time.sleep(0.1)
-    with pytest.raises(httpx.TimeoutException):
-        httpx.post(server[0] + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=0.3)
-    busy.join()
+    # the engine thread is held until the client has given up, so the request runs only after that
+    with hold_engine_thread(engine):
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(server[0] + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                       timeout=0.3)
     idle_and_clean(engine)
     assert asyncio.run(engine.call(lambda e: e.num_aborted)) == aborted_before + 1
 

@@ -1,4 +1,4 @@
-"""The server in front of untrusted clients (issue 11, items 1-3 and 7): bounded fan-out, OpenAI-shaped errors for
+"""The server in front of untrusted clients: bounded fan-out, OpenAI-shaped errors for
 everything, one access line per request and no tracebacks for disconnects, prompts kept out of the logs, the API
 key, CORS and TLS. Live servers on loopback ports, driven by the openai client, httpx and raw sockets."""
 import asyncio
@@ -6,7 +6,6 @@ import logging
 import os
 import re
 import socket
-import threading
 import time
 
 import httpx
@@ -21,7 +20,8 @@ from qwenserve.entrypoints.openai.serving_completion import OpenAIServingComplet
 from qwenserve.entrypoints.openai.serving_engine import OpenAIServing
 from qwenserve.sample.sampling_params import SamplingParams
 
-from helpers import live_server, save_hf_dir, self_signed_cert, serve_process, tiny_hf_model, wait_idle_and_clean
+from helpers import (hold_engine_thread, live_server, save_hf_dir, self_signed_cert, serve_process, tiny_hf_model,
+                     wait_idle_and_clean)
 
 KEY = "hardening-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -257,12 +257,9 @@ def test_a_client_disconnect_is_one_info_line(url, engine, caplog, monkeypatch, 
         if stream:
             with httpx.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
                 next(line for line in r.iter_lines() if line.startswith("data: "))  # leave after the first chunk
-        else:  # the engine is mid-step, so the request is surely still running when the client gives up
-            busy = threading.Thread(target=lambda: asyncio.run(engine.call(lambda e: time.sleep(0.5))))
-            busy.start()
-            with pytest.raises(httpx.TimeoutException):
+        else:  # the engine is held mid-step until the client has given up, so the request runs only after that
+            with hold_engine_thread(engine), pytest.raises(httpx.TimeoutException):
                 httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=0.1)
-            busy.join()
         wait_idle_and_clean(engine)
         [line] = access_records(caplog, headers["X-Request-Id"])
     assert line.levelno == logging.INFO and line.status == 499 and line.getMessage().endswith("client disconnected")
@@ -340,6 +337,7 @@ def test_serve_flags_default_to_the_servers_defaults():
     assert build_parser().parse_args(["serve", "--max-request-bytes", "1MiB"]).max_request_bytes == 1 << 20
 
 
+@pytest.mark.multiproc
 def test_serve_command_tls_env_key_and_quiet_logs(model_dir, tmp_path):
     """`qwenserve serve` as users start it: HTTPS with a self-signed certificate, the key from
     QWENSERVE_API_KEY, CORS for one origin; its log has our access lines, not uvicorn's, and a client that

@@ -1,4 +1,4 @@
-"""The storm (issue 11): 32 concurrent clients against a live server, 10% of them leaving mid-stream and 5% sending
+"""The storm: 32 concurrent clients against a live server, 10% of them leaving mid-stream and 5% sending
 malformed or hostile requests (n=100000, invalid JSON, a huge max_tokens, wrong types, an unknown role, an
 oversized body), made by `bench serve --storm`'s own traffic generator. No valid request is lost, every bad one gets
 a 4xx OpenAI-shaped error, the clients that left are counted as aborted, and afterwards nothing runs or waits and
@@ -6,6 +6,7 @@ no KV block is held. (An injected step failure ending only its step's requests: 
 import asyncio
 
 import httpx
+import pytest
 
 from qwenserve.benchmarks.serve import BAD_REQUESTS, run_bench_serve, storm_kinds
 from qwenserve.config.engine_config import EngineConfig
@@ -14,6 +15,8 @@ from qwenserve.engine.llm_engine import LLMEngine
 from qwenserve.entrypoints.openai.api_server import build_app
 
 from helpers import live_server, metric_value, wait_idle_and_clean
+
+pytestmark = pytest.mark.slow  # 120 requests from 32 clients: seconds on two cores
 
 NUM_REQUESTS, CLIENTS = 120, 32  # 12 leave mid-stream, 6 are bad (one of each kind), 102 valid
 OUTPUT_LEN = 12

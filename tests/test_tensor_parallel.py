@@ -14,6 +14,8 @@ from qwenserve.model.parallel import free_port
 
 from helpers import save_gguf, save_hf_dir, tiny_hf_model
 
+pytestmark = pytest.mark.multiproc
+
 IDS = list(range(3, 40))
 
 

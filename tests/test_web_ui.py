@@ -18,6 +18,8 @@ from qwenserve.entrypoints.openai.api_server import build_app
 
 from helpers import live_server, save_hf_dir, tiny_hf_model
 
+pytestmark = pytest.mark.browser
+
 KEY = "ui-test-key"
 WAIT_S = 30
 
@@ -211,7 +213,11 @@ def test_dashboard_draws_live_charts(servers, driver, shots, capsys):
              "points on every chart")
     finally:
         traffic.join()
-    time.sleep(1.5)  # one more poll after the traffic, so the charts show it whole
+    # one more poll after the traffic, so the charts show it whole: the first change of the status may come from a
+    # poll that was under way while the traffic ended; the next poll starts only after it
+    for _ in range(2):
+        status = by_css(driver, "#dash-status")[0].text  # "updated <time>", polls at least 1 s apart
+        wait(driver, lambda d: by_css(d, "#dash-status")[0].text != status, "the next /metrics poll")
     screenshot(driver, shots, "dashboard", capsys)
     # a line was drawn in colour on every chart (the grid and labels are grey)
     coloured = driver.execute_script("""

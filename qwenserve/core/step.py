@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from qwenserve.sample.logprobs import Logprob
+from qwenserve.sample.logprob import Logprob
 from qwenserve.sample.sampling_params import SamplingParams
 
 

@@ -11,7 +11,7 @@ from qwenserve.core.step import ModelRunnerOutput
 from qwenserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from qwenserve.engine.input_processor import ProcessedRequest
 from qwenserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from qwenserve.sample.logprobs import Logprob
+from qwenserve.sample.logprob import Logprob
 
 
 @dataclass

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from qwenserve.sample.logprobs import Logprob
+from qwenserve.sample.logprob import Logprob
 
 
 @dataclass

@@ -1,16 +1,9 @@
-"""Logprob entries: a token's log-probability and rank, as returned to the request that asked for them."""
+"""Top-k logprob extraction for a batch: each row's chosen token and its k most likely tokens as Logprob records."""
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
-
-@dataclass
-class Logprob:
-    token_id: int
-    logprob: float
-    rank: int  # 1 = the most likely token
+from qwenserve.sample.logprob import Logprob
 
 
 def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> list[dict[int, Logprob]]:

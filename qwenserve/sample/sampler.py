@@ -13,7 +13,8 @@ import torch
 
 from qwenserve.kernels import cpu_ops_for
 from qwenserve.sample.logits_processors import NEG_INF, apply_penalties, ban_stop_tokens_before_min_tokens
-from qwenserve.sample.logprobs import Logprob, top_logprobs
+from qwenserve.sample.logprob import Logprob
+from qwenserve.sample.logprobs import top_logprobs
 from qwenserve.sample.sampling_params import SamplingParams
 
 

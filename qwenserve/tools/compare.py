@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Collection
 from dataclasses import asdict, dataclass
 
 import torch
@@ -62,7 +63,11 @@ def load_hf_model(path: str):
 
 
 @torch.inference_mode()
-def hf_greedy(hf_model, ids: list[int], max_tokens: int, stop_ids: set[int]) -> tuple[list[int], list[torch.Tensor]]:
+def hf_greedy(hf_model, ids: list[int], max_tokens: int,
+              stop_ids: Collection[int] = ()) -> tuple[list[int], list[torch.Tensor]]:
+    """HF transformers' greedy continuation of `ids`, one cached step at a time: (the tokens, each step's logits
+    in float32). It ends after a token in stop_ids or at max_tokens; with no stop_ids it always runs to
+    max_tokens, as a request with ignore_eos does. The tests compare the engine's greedy tokens with it too."""
     out = hf_model(input_ids=torch.tensor([ids]), use_cache=True)
     tokens, logits = [], []
     while True:
