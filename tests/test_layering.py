@@ -134,7 +134,7 @@ def environment_uses(path: Path) -> list[int]:
 def test_every_sub_package_has_a_layer():
     subs = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
     subs |= {p.stem for p in PACKAGE.glob("*.py")}
-    assert subs <= set(RANK), f"place {sorted(subs - set(RANK))} in LAYERS (and the README's layout table)"
+    assert subs <= set(RANK), f"place {sorted(subs - set(RANK))} in LAYERS (and docs/architecture.md's layout table)"
 
 
 def test_imports_only_go_down_the_layers():
@@ -233,13 +233,13 @@ def test_the_checkers_see_torch_reached_from_core_and_environment_reads(tmp_path
     assert environment_problems() == [f"qwenserve/worker/bad.py:{line}" for line in (3, 4, 5, 6)]
 
 
-def test_readme_layout_table_matches_the_tree():
-    """Every source file is in the README's layout table (by itself or under a listed folder), and every path
+def test_layout_table_matches_the_tree():
+    """Every source file is in docs/architecture.md's layout table (by itself or under a listed folder), and every path
     the table lists exists."""
     import re
 
-    readme = (PACKAGE.parent / "README.md").read_text()
-    section = readme.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    doc = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    section = doc.split("## Layout", 1)[1].split("\n## ", 1)[0]
     listed = set()
     for line in section.splitlines():
         if not line.startswith("| `"):
@@ -248,7 +248,7 @@ def test_readme_layout_table_matches_the_tree():
         folder = names[0].rsplit("/", 1)[0] + "/" if "/" in names[0].rstrip("/") else ""
         listed |= {names[0]} | {folder + n for n in names[1:]}
     missing_paths = sorted(p for p in listed if not (PACKAGE / p).exists())
-    assert not missing_paths, f"the README lists paths that do not exist: {missing_paths}"
+    assert not missing_paths, f"docs/architecture.md lists paths that do not exist: {missing_paths}"
     folders = {p for p in listed if p.endswith("/")}
     unlisted = []
     for path in PACKAGE.rglob("*"):
@@ -259,4 +259,4 @@ def test_readme_layout_table_matches_the_tree():
             continue
         if rel not in listed and not any(rel.startswith(f) for f in folders):
             unlisted.append(rel)
-    assert not unlisted, f"add to the README's layout table: {sorted(unlisted)}"
+    assert not unlisted, f"add to docs/architecture.md's layout table: {sorted(unlisted)}"
