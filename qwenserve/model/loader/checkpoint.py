@@ -2,7 +2,8 @@
 
 A checkpoint gives the model config, the weights as (HF parameter name, tensor) pairs, the tokenizer and
 the generation defaults; everything downstream is the same whichever kind it is. The engine opens it by path
-once, to resolve it (resolve.py); workers reopen it from that ResolvedModel, for its weights only."""
+once, to resolve it (resolve.py); after that it is reopened from the ResolvedModel (the engine for its tokenizer,
+each worker for its weights), without reading or checking its configuration again."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,8 +12,8 @@ import logging
 import os
 import re
 from collections.abc import Iterator
-from functools import lru_cache
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import torch
 from gguf import GGMLQuantizationType
@@ -73,8 +74,8 @@ def open_checkpoint(model: str | None = None) -> Checkpoint:
 
 
 def reopen_checkpoint(resolved: ResolvedModel) -> Checkpoint:
-    """The checkpoint an engine resolved, opened again (in a worker) for its weights and tokenizer: its
-    configuration is resolved's, not read or checked again."""
+    """The checkpoint an engine resolved, opened again for its weights or its tokenizer: its configuration is
+    resolved's, not read or checked again."""
     if resolved.format == "gguf":
         return GGUFCheckpoint(resolved.path, resolved.model_id, resolved.config)
     return HFCheckpoint(resolved.path, resolved.model_id, resolved)
