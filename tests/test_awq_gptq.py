@@ -168,7 +168,7 @@ def test_loaded_weights_follow_the_formula_and_logits_the_dense_model(ops, tmp_p
     method, bits, group, sym, act_order, block_type = CASES[case]
     quant_dir, dense_dir = write_quantized(tmp_path, method, bits, group, sym, act_order)
     quantized = LoadedModel(quant_dir, dtype="float32", quantization=None)  # detected from config.json
-    assert quantized.spec.quantization == method
+    assert quantized.resolved_model.quantization == method
     exact = LoadedModel(dense_dir, dtype="float32", quantization="none").model
     model = quantized.model
     qkv = model.model.layers[0].self_attn.qkv_proj

@@ -15,7 +15,7 @@ from helpers import save_hf_dir, tiny_hf_model
 def test_hf_baseline_model_is_the_same_model(tmp_path):
     hf = tiny_hf_model(seed=61)
     path = save_hf_dir(hf, str(tmp_path / "m"))
-    baseline = hf_model_like(LoadedModel(path, dtype="float32").spec)
+    baseline = hf_model_like(LoadedModel(path, dtype="float32").resolved_model)
     ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
     with torch.no_grad():
         torch.testing.assert_close(baseline(ids).logits, hf(ids).logits, atol=1e-5, rtol=1e-5)

@@ -35,7 +35,7 @@ def engine_model(llm):
 
 def test_quantized_layers_hold_the_files_blocks(ops, mixed_gguf):
     llm = LLM(mixed_gguf, dtype="float32", kv_cache_memory="4MiB")
-    assert llm.engine.spec.quantization == "gguf"  # detected from the file
+    assert llm.engine.resolved_model.quantization == "gguf"  # detected from the file
     model = engine_model(llm)
     qkv = model.model.layers[0].self_attn.qkv_proj
     types = [(offset, seg.ggml_type.name, seg.shape[0]) for offset, seg in qkv.segments]

@@ -84,7 +84,7 @@ def test_from_a_gguf_file_and_through_the_engine(ops, tmp_path):
     outputs = {}
     for method in ("int8", "int4"):
         llm = LLM(path, dtype="float32", quantization=method, kv_cache_memory="4MiB")
-        assert llm.engine.spec.quantization == method
+        assert llm.engine.resolved_model.quantization == method
         outputs[method] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert all(len(ids) == 12 for method in outputs for ids in outputs[method])
 

@@ -20,17 +20,17 @@ IDS = list(range(3, 40))
 
 
 def _rank_logits(rank: int, world: int, port: int, path: str, quantization: str, out):
-    from qwenserve.model.layers.quantization import quantization_scheme
-    from qwenserve.model.loader.checkpoint import open_checkpoint
+    from qwenserve.config.engine_config import LoadConfig
     from qwenserve.model.loader.model_loader import load_model
+    from qwenserve.model.loader.resolve import resolve_model
     from qwenserve.model.parallel import TensorParallel
     from qwenserve.worker.model_runner import full_logits
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        model = load_model(open_checkpoint(path), torch.float32, 256, TensorParallel(rank, world, dist.group.WORLD),
-                           quantization=quantization_scheme(quantization))
+        resolved = resolve_model(LoadConfig(model=path, dtype="float32", max_model_len=256, quantization=quantization))
+        model = load_model(resolved, tp=TensorParallel(rank, world, dist.group.WORLD))
         logits = full_logits(model, IDS)
         out.put((rank, logits.numpy()))  # by value: a shared tensor dies with this process
         # every rank done before any tears gloo down: a rank that left first has aborted a slower one at exit

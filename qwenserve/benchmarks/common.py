@@ -54,22 +54,25 @@ def _child_pids(pid: int) -> list[int]:
         return []
 
 
-def hf_model_like(spec) -> torch.nn.Module:
-    """HF transformers' Qwen2ForCausalLM with exactly the weights qwenserve runs for a ModelSpec (dequantized, same dtype).
-    Built from our checkpoint reader so a GGUF baseline runs plain dense weights, as HF does for an HF dir."""
+def hf_model_like(resolved) -> torch.nn.Module:
+    """HF transformers' Qwen2ForCausalLM with exactly the weights qwenserve runs for a ResolvedModel (dequantized,
+    same dtype). Built from our checkpoint reader so a GGUF baseline runs plain dense weights, as HF does for an
+    HF dir."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    cfg = Qwen2Config(**{k: v for k, v in spec.checkpoint.config.to_hf_dict().items() if k not in ("architectures",)})
+    from qwenserve.model.loader.checkpoint import reopen_checkpoint
+
+    cfg = Qwen2Config(**{k: v for k, v in resolved.config.to_hf_dict().items() if k not in ("architectures",)})
     with torch.device("meta"):
         model = Qwen2ForCausalLM(cfg)
-    state = {name: t.to(spec.dtype) for name, t in spec.checkpoint.weights()}
+    state = {name: t.to(resolved.dtype) for name, t in reopen_checkpoint(resolved).weights()}
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.tie_weights()
     model.model.rotary_emb = type(model.model.rotary_emb)(config=cfg)  # its buffers are not in the state dict
-    return model.to(spec.dtype).eval()
+    return model.to(resolved.dtype).eval()
 
 
 @torch.inference_mode()

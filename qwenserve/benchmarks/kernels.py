@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from qwenserve.config.engine_config import EngineConfig
 from qwenserve.model.layers.linear import cpu_weight_packing_available
 from qwenserve.model.loader.ggml_tensor import GGMLTensor
-from qwenserve.model.loader.model_loader import ModelSpec
+from qwenserve.model.loader.model_loader import load_model
+from qwenserve.model.loader.resolve import resolve_model
 
 ROWS = (1, 8, 32, 512)
 
@@ -89,23 +90,23 @@ def layer_bytes(module) -> int:
 
 def bench_kernels(config: EngineConfig, rows: tuple[int, ...] = ROWS) -> dict:
     load = config.load
-    spec = ModelSpec.resolve(load.model, load.dtype, load.max_model_len, load.quantization)
-    model = spec.load_model(load.device)
+    resolved = resolve_model(load)
+    model = load_model(resolved, load.device)
     bandwidth = read_bandwidth()
     results = []
     with torch.inference_mode():
         for (kind, types, out_features, in_features), module in weight_shapes(model).items():
-            alts = _alternatives(out_features, in_features, spec.dtype)
+            alts = _alternatives(out_features, in_features, resolved.dtype)
             ours = (lambda x, m=module: m.linear_method.apply(m, x, None), layer_bytes(module))
             for m in rows:
-                x = torch.randn(m, in_features).to(spec.dtype)
+                x = torch.randn(m, in_features).to(resolved.dtype)
                 entry = {"layer": kind, "types": types, "out": out_features, "in": in_features, "M": m}
                 for name, (fn, nbytes) in {"ours": ours, **alts}.items():
                     seconds = timed(lambda: fn(x))
                     entry[name] = {"ms": _figure(seconds * 1e3), "GB/s": _figure(nbytes / seconds / 1e9),
                                    "GFLOP/s": _figure(2 * m * out_features * in_features / seconds / 1e9)}
                 results.append(entry)
-    return {"quantization": spec.quantization, "dtype": str(spec.dtype).removeprefix("torch."),
+    return {"quantization": resolved.quantization, "dtype": str(resolved.dtype).removeprefix("torch."),
             "read_bandwidth_GBps": round(bandwidth, 2), "threads": torch.get_num_threads(), "shapes": results}
 
 

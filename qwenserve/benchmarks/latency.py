@@ -17,9 +17,9 @@ def bench_latency(config: EngineConfig, input_len: int, output_len: int, baselin
     ttft, e2e = run["ttft_s"]["bench-0"], run["elapsed_s"]
     result = {"input_len": input_len, "output_len": output_len, "ttft_ms": round(ttft * 1e3, 1),
               "tpot_ms": round((e2e - ttft) / max(output_len - 1, 1) * 1e3, 2), "e2e_ms": round(e2e * 1e3, 1),
-              "dtype": str(engine.spec.dtype).removeprefix("torch.")}
+              "dtype": str(engine.resolved_model.dtype).removeprefix("torch.")}
     if baseline == "hf":
-        model = hf_model_like(engine.spec)
+        model = hf_model_like(engine.resolved_model)
         pad = engine.tokenizer.pad_token_id or 0
         del engine
         hf_generate(model, random_prompts(1, input_len, vocab, seed=8), 4, pad)

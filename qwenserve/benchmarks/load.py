@@ -14,7 +14,7 @@ def bench_load(model: str | None, dtype: str, baseline: str | None) -> dict:
 
     start = time.perf_counter()
     loaded = LoadedModel(model, dtype)
-    result = {"model": loaded.checkpoint.path, "dtype": str(loaded.dtype).removeprefix("torch."),
+    result = {"model": loaded.resolved_model.path, "dtype": str(loaded.dtype).removeprefix("torch."),
               "load_s": round(time.perf_counter() - start, 2)}
     if baseline == "hf":
         import os
@@ -22,7 +22,7 @@ def bench_load(model: str | None, dtype: str, baseline: str | None) -> dict:
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
         hf_logging.disable_progress_bar()
-        path = loaded.checkpoint.path
+        path = loaded.resolved_model.path
         del loaded
         start = time.perf_counter()
         kwargs = {"dtype": getattr(torch, result["dtype"])}

@@ -45,8 +45,8 @@ def bench_ppl(config: EngineConfig, path: str | None = None, context: int = 512,
     spans = windows(len(ids), context, min(stride, context - 1))
     nll, top1 = _score(engine, ids, spans)
     result = {"ppl": round(math.exp(nll / len(top1)), 4), "tokens": len(top1), "text": str(path or DEFAULT_TEXT),
-              "context": context, "stride": stride, "quantization": engine.spec.quantization,
-              "dtype": str(engine.spec.dtype).removeprefix("torch.")}
+              "context": context, "stride": stride, "quantization": engine.resolved_model.quantization,
+              "dtype": str(engine.resolved_model.dtype).removeprefix("torch.")}
     if agreement:
         engine.shutdown()
         exact = LLMEngine(dataclasses.replace(config, load=dataclasses.replace(config.load, quantization="none")))

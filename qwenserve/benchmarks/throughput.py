@@ -35,10 +35,10 @@ def bench_throughput(config: EngineConfig, num_prompts: int, input_len: int, out
               "elapsed_s": round(run["elapsed_s"], 3),
               "output_tokens_per_s": round(n_out / run["elapsed_s"], 2),
               "total_tokens_per_s": round((n_in + n_out) / run["elapsed_s"], 2),
-              "dtype": str(engine.spec.dtype).removeprefix("torch."), "peak_rss_gb": peak_rss_gb(),
+              "dtype": str(engine.resolved_model.dtype).removeprefix("torch."), "peak_rss_gb": peak_rss_gb(),
               "kv_cache_gb": round(engine.kv_cache_budget / 1e9, 2)}
     if baseline == "hf":
-        model = hf_model_like(engine.spec)
+        model = hf_model_like(engine.resolved_model)
         pad = engine.tokenizer.pad_token_id or 0
         del engine
         hf_generate(model, random_prompts(2, 16, vocab, seed=99), 4, pad)

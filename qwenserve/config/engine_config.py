@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from qwenserve.config.errors import ConfigError
 from qwenserve.config.model_config import resolve_kv_cache_dtype
+from qwenserve.config.resolved_model import ResolvedModel
 
 GiB = 1 << 30
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -134,14 +135,19 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     record_logits: bool = setting(False, "keep each sampled step's logits on the outputs (for compare and "
                                          "debugging; costly: full-vocabulary rows leave the worker)")
+    # not a setting: what `load` resolves to, filled in once by the engine before its workers start (they read
+    # the checkpoint, dtype, context length and quantization from here)
+    resolved_model: ResolvedModel | None = None
 
     SECTIONS = {"load": LoadConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig}
 
     @classmethod
     def settings(cls) -> list[tuple[str | None, dataclasses.Field]]:
-        """(section name or None for a top-level field, field) for every setting."""
+        """(section name or None for a top-level field, field) for every setting (a field declared with
+        `setting`, so with a help text)."""
         out = [(name, f) for name, section in cls.SECTIONS.items() for f in dataclasses.fields(section)]
-        return out + [(None, f) for f in dataclasses.fields(cls) if f.name not in cls.SECTIONS]
+        top = [f for f in dataclasses.fields(cls) if f.name not in cls.SECTIONS and "help" in f.metadata]
+        return out + [(None, f) for f in top]
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:

@@ -12,6 +12,7 @@ from qwenserve.config.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 QWEN2_DEFAULT_ROPE_THETA = 1_000_000.0  # Qwen2's real default; 10,000 makes long outputs drift
+QWEN2_ARCHITECTURE = "Qwen2ForCausalLM"  # what a config.json without `architectures` but model_type qwen2 runs
 ROPE_SCALING_TYPES = ("linear", "dynamic", "yarn")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # kv_cache_dtype (vLLM's values) -> the torch dtype of the cache's codes; auto: the run dtype, no codes
@@ -35,6 +36,9 @@ class ModelConfig:
     torch_dtype: str = "bfloat16"  # the checkpoint's own dtype
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    # config.json's `architectures` (for a GGUF file, the registered name of its general.architecture); the
+    # model registry picks the first one it knows when the checkpoint is resolved
+    architectures: tuple[str, ...] = (QWEN2_ARCHITECTURE,)
     extra: dict = field(default_factory=dict, compare=False)  # untouched config.json keys, for convert
 
     def __post_init__(self):
@@ -97,9 +101,14 @@ class ModelConfig:
     def from_hf_dict(cls, cfg: dict) -> "ModelConfig":
         """From a config.json dict, in either transformers 4 (rope_theta/rope_scaling) or 5 (rope_parameters) form."""
         archs = cfg.get("architectures") or []
-        if cfg.get("model_type") not in (None, "qwen2") or (archs and "Qwen2ForCausalLM" not in archs):
-            raise ConfigError(f"config field model_type is {cfg.get('model_type')!r} (architectures {archs}); "
-                              "qwenserve serves Qwen2ForCausalLM checkpoints (model_type 'qwen2')")
+        if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+            raise ConfigError(f"config field architectures must be a list of class names, got {archs!r}")
+        if not archs:
+            if cfg.get("model_type") not in (None, "qwen2"):
+                raise ConfigError(f"config field model_type is {cfg.get('model_type')!r} and config.json names no "
+                                  f"architectures; without them qwenserve runs model_type 'qwen2' only "
+                                  f"(as {QWEN2_ARCHITECTURE})")
+            archs = [QWEN2_ARCHITECTURE]
         if cfg.get("use_sliding_window"):
             raise ConfigError("config field use_sliding_window is true; sliding-window attention is not supported")
         rope = dict(cfg.get("rope_parameters") or {})
@@ -128,6 +137,7 @@ class ModelConfig:
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"),
+            architectures=tuple(archs),
             extra={k: v for k, v in cfg.items() if k not in known},
         )
 
@@ -135,8 +145,8 @@ class ModelConfig:
         """config.json for an HF-format directory (written by `qwenserve convert`)."""
         cfg = dict(self.extra)
         cfg.update(
-            architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=self.vocab_size,
-            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            architectures=list(self.architectures), model_type=self.extra.get("model_type", "qwen2"),
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
             num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
             num_key_value_heads=self.num_key_value_heads, max_position_embeddings=self.max_position_embeddings,
             rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta, tie_word_embeddings=self.tie_word_embeddings,

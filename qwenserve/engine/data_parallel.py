@@ -52,6 +52,7 @@ class DataParallelEngine:
         # the first replica sizes an "auto" KV cache for all (it divides this host's memory by every replica's
         # workers); the others get that size and start together
         first = LLMEngine(config, 0)
+        config = first.config  # resolved once: the other replicas take the first one's resolved_model
         if config.cache.kv_cache_memory == "auto":
             config = dataclasses.replace(config, cache=dataclasses.replace(
                 config.cache, kv_cache_memory=first.executor.kv_cache_budget))
@@ -65,7 +66,7 @@ class DataParallelEngine:
             raise failed[0]
         self.replicas: list[LLMEngine] = [first] + [f.result() for f in futures]
         self.alive = [True] * size
-        self.spec, self.tokenizer, self.model_id = first.spec, first.tokenizer, first.model_id
+        self.resolved_model, self.tokenizer, self.model_id = first.resolved_model, first.tokenizer, first.model_id
         self.max_model_len, self.generation_defaults = first.max_model_len, first.generation_defaults
         self.input_processor, self.kv_cache_budget = first.input_processor, first.kv_cache_budget
         self.block_size = config.cache.block_size

@@ -3,6 +3,7 @@ sampler, in the worker), the scheduler records what was computed, and the output
 into text and decides which sequences end."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -20,7 +21,7 @@ from qwenserve.engine.outputs import RequestOutput
 from qwenserve.executor.abstract import Executor, ExecutorDeadError
 from qwenserve.executor.multiproc_executor import MultiprocExecutor
 from qwenserve.executor.uniproc_executor import UniProcExecutor
-from qwenserve.model.loader.model_loader import ModelSpec
+from qwenserve.model.loader.resolve import load_tokenizer, resolve_model
 from qwenserve.sample.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -45,27 +46,28 @@ class RequestsFailedError(RuntimeError):
 class LLMEngine:
     def __init__(self, config: EngineConfig, replica_rank: int = 0):
         """replica_rank: which of config's data_parallel_size replicas this is (its workers take their share of
-        the CPUs); a DataParallelEngine makes one LLMEngine per replica."""
+        the CPUs); a DataParallelEngine makes one LLMEngine per replica. The checkpoint is resolved here unless
+        config already carries it (resolved_model), and the workers receive it inside self.config."""
+        if config.resolved_model is None:
+            config = dataclasses.replace(config, resolved_model=resolve_model(config.load))
         self.config = config
-        load = config.load
-        self.spec = ModelSpec.resolve(load.model, load.dtype, load.max_model_len, load.quantization)
-        checkpoint = self.spec.checkpoint
-        self.model_id = checkpoint.model_id
-        self.max_model_len = self.spec.max_model_len
-        self.tokenizer = checkpoint.tokenizer()
-        generation = checkpoint.generation_config
+        self.resolved_model = resolved = config.resolved_model
+        self.model_id = resolved.model_id
+        self.max_model_len = resolved.max_model_len
+        self.tokenizer = load_tokenizer(resolved)
+        generation = resolved.generation_config
         # sampling defaults from the checkpoint, for requests that do not set them (the server applies them)
         self.generation_defaults = {k: generation[k] for k in GENERATION_DEFAULT_KEYS if generation.get(k) is not None}
 
-        self.executor = make_executor(config, self.spec, replica_rank)
+        self.executor = make_executor(config, replica_rank)
         self.kv_cache_budget = self.executor.kv_cache_budget  # bytes per worker ("auto" resolved)
         self.kv = KVCacheManager(self.executor.num_kv_blocks, config.cache.block_size,
                                  config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
                                    self.executor.max_concurrent_batches)
         self._in_flight: deque[SchedulerOutput] = deque()  # submitted steps, oldest first
-        self.input_processor = InputProcessor(self.tokenizer, checkpoint.config.vocab_size, self.max_model_len,
-                                              frozenset(self.spec.stop_token_ids(self.tokenizer)),
+        self.input_processor = InputProcessor(self.tokenizer, resolved.config.vocab_size, self.max_model_len,
+                                              frozenset(resolved.stop_token_ids(self.tokenizer)),
                                               config.cache.block_size, self.kv.num_blocks)
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len, config.record_logits)
         self.num_aborted = 0  # requests stopped before their end (client gone, or an explicit abort)
@@ -174,11 +176,12 @@ class LLMEngine:
                 "aborted": self.num_aborted, "free_blocks": kv.num_free_blocks, "num_blocks": kv.num_blocks}
 
 
-def make_executor(config: EngineConfig, spec: ModelSpec, replica_rank: int = 0) -> Executor:
+def make_executor(config: EngineConfig, replica_rank: int = 0) -> Executor:
+    """The executor for a resolved config (config.resolved_model set)."""
     backend = config.parallel.backend
     if backend == "uni":
-        return UniProcExecutor(config, spec)
+        return UniProcExecutor(config)
     if backend == "ray":
         from qwenserve.executor.ray_executor import RayExecutor  # Ray is an optional extra
-        return RayExecutor(config, spec)
-    return MultiprocExecutor(config, spec, replica_rank)
+        return RayExecutor(config)
+    return MultiprocExecutor(config, replica_rank)

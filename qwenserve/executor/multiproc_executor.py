@@ -26,7 +26,6 @@ from qwenserve.config.engine_config import EngineConfig
 from qwenserve.core.step import ModelRunnerOutput, SchedulerOutput
 from qwenserve.executor.abstract import Executor, ExecutorDeadError
 from qwenserve.executor.shm_queue import ShmQueue
-from qwenserve.model.loader.model_loader import ModelSpec
 from qwenserve.model.parallel import check_parallel_layout, free_port
 from qwenserve.worker.cpu_tuning import bind_to_cpus, cpu_sets_for_ranks
 from qwenserve.worker.worker import init_rank_worker
@@ -41,14 +40,14 @@ class WorkerStartError(RuntimeError):
 
 
 class MultiprocExecutor(Executor):
-    def __init__(self, config: EngineConfig, spec: ModelSpec, replica_rank: int = 0):
+    def __init__(self, config: EngineConfig, replica_rank: int = 0):
         """replica_rank: this engine's index among data_parallel_size replicas; its workers take that share of
         the CPUs."""
         parallel = config.parallel
         self.tp_size, self.pp_size = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
         world = self.tp_size * self.pp_size
         # here, rather than in every worker after it spawned
-        check_parallel_layout(spec.checkpoint.config, self.tp_size, self.pp_size)
+        check_parallel_layout(config.resolved_model.config, self.tp_size, self.pp_size)
         self.max_concurrent_batches = self.pp_size
         self.output_rank = (self.pp_size - 1) * self.tp_size  # the last stage's first tensor rank
         ctx = multiprocessing.get_context("spawn")

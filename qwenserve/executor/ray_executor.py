@@ -27,7 +27,6 @@ from qwenserve.config.engine_config import EngineConfig
 from qwenserve.config.errors import ConfigError
 from qwenserve.core.step import ModelRunnerOutput, SchedulerOutput
 from qwenserve.executor.abstract import Executor, ExecutorDeadError
-from qwenserve.model.loader.model_loader import ModelSpec
 from qwenserve.model.parallel import check_parallel_layout, free_port
 from qwenserve.worker.worker import Worker, init_rank_worker
 
@@ -81,7 +80,7 @@ class RayWorker:
 
 
 class RayExecutor(Executor):
-    def __init__(self, config: EngineConfig, spec: ModelSpec):
+    def __init__(self, config: EngineConfig):
         ray = import_ray()
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -90,7 +89,7 @@ class RayExecutor(Executor):
         self.config = config
         self.tp_size, self.pp_size = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
         world = self.tp_size * self.pp_size
-        check_parallel_layout(spec.checkpoint.config, self.tp_size, self.pp_size)
+        check_parallel_layout(config.resolved_model.config, self.tp_size, self.pp_size)
         self.max_concurrent_batches = self.pp_size
         self.output_rank = (self.pp_size - 1) * self.tp_size
         self._dead: str | None = None

@@ -6,13 +6,12 @@ from collections import deque
 from qwenserve.config.engine_config import EngineConfig
 from qwenserve.core.step import ModelRunnerOutput, SchedulerOutput
 from qwenserve.executor.abstract import Executor
-from qwenserve.model.loader.model_loader import ModelSpec
 from qwenserve.worker.worker import Worker
 
 
 class UniProcExecutor(Executor):
-    def __init__(self, config: EngineConfig, spec: ModelSpec):
-        self.worker = Worker(config, spec)
+    def __init__(self, config: EngineConfig):
+        self.worker = Worker(config)
         num_blocks, self.kv_cache_budget = self.worker.kv_blocks_that_fit()
         self.worker.init_kv_cache(num_blocks)
         self.num_kv_blocks = self.worker.num_kv_blocks

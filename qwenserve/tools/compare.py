@@ -99,7 +99,7 @@ def run_compare(model: str | None, prompts: list, max_tokens: int) -> list[Promp
     # the exact path (weights dequantized to float32) is what must equal HF
     engine = LLMEngine(EngineConfig.from_kwargs(model=model, dtype="float32", quantization="none",
                                                 kv_cache_memory="1GiB", record_logits=True))
-    hf_model = load_hf_model(engine.spec.checkpoint.path)
+    hf_model = load_hf_model(engine.resolved_model.path)
     results = []
     for i, prompt in enumerate(prompts):
         text, ids = prompt_ids(engine.tokenizer, prompt)

@@ -6,23 +6,22 @@ from __future__ import annotations
 import torch
 
 from qwenserve.core.step import ModelRunnerOutput, SchedulerOutput
+from qwenserve.model.interface import CausalLM
 from qwenserve.model.layers.attention import AttentionMetadata, PagedKVCache, PrefillSpan, decode_kernel_available
-from qwenserve.model.models.qwen2 import Qwen2ForCausalLM
 from qwenserve.sample.logprobs import top_logprobs
 from qwenserve.sample.sampler import Sampler
 from qwenserve.worker.input_batch import InputBatch, PromptChunk
 
 
 @torch.inference_mode()
-def full_logits(model: Qwen2ForCausalLM, token_ids: list[int]) -> torch.Tensor:
+def full_logits(model: CausalLM, token_ids: list[int]) -> torch.Tensor:
     """Logits at every position of one sequence ([T, vocab], float32) from a single prefill, with a cache of
     its own: for scoring, validation and tests."""
     device = model.device
-    layers = model.model.own_layers
-    attn = layers[0].self_attn
+    spec = model.kv_cache_spec()
     n, block = len(token_ids), 16
-    cache = PagedKVCache(len(layers), -(-n // block), block, attn.num_kv_heads, attn.head_dim,
-                         model.dtype, device)
+    cache = PagedKVCache(spec.num_layers, -(-n // block), block, spec.num_kv_heads, spec.head_dim, spec.dtype,
+                         device)
     positions = torch.arange(n, device=device)
     metadata = AttentionMetadata(cache, positions, [], [PrefillSpan(0, n, None, n)])
     hidden = model(torch.tensor(token_ids, device=device), positions, metadata)
@@ -30,7 +29,7 @@ def full_logits(model: Qwen2ForCausalLM, token_ids: list[int]) -> torch.Tensor:
 
 
 class ModelRunner:
-    def __init__(self, model: Qwen2ForCausalLM, kv_cache: PagedKVCache, device: torch.device | str = "cpu",
+    def __init__(self, model: CausalLM, kv_cache: PagedKVCache, device: torch.device | str = "cpu",
                  record_logits: bool = False):
         self.model = model
         self.kv_cache = kv_cache
@@ -48,8 +47,7 @@ class ModelRunner:
         pp = self.model.pp
         intermediate = None
         if not pp.is_first:
-            intermediate = pp.recv(len(inputs.input_ids), self.model.config.hidden_size, self.model.dtype,
-                                   self.device)
+            intermediate = pp.recv(len(inputs.input_ids), self.model.hidden_size, self.model.dtype, self.device)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata, intermediate)
         if not pp.is_last:
             pp.send(*hidden)

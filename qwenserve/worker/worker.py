@@ -12,7 +12,7 @@ from qwenserve.config.errors import ConfigError
 from qwenserve.config.model_config import resolve_kv_cache_dtype
 from qwenserve.core.step import ModelRunnerOutput, SchedulerOutput
 from qwenserve.model.layers.attention import PagedKVCache
-from qwenserve.model.loader.model_loader import ModelSpec
+from qwenserve.model.loader.model_loader import load_model
 from qwenserve.model.parallel import PipelineParallel, TensorParallel, init_model_parallel
 from qwenserve.worker.cpu_tuning import keep_large_allocations_in_heap
 from qwenserve.worker.memory import kv_cache_budget
@@ -26,17 +26,20 @@ class Worker:
     `init_kv_cache` with the fewest blocks any of them fits (the engine's one scheduler hands out block ids
     for all)."""
 
-    def __init__(self, config: EngineConfig, spec: ModelSpec, tp: TensorParallel = TensorParallel(),
+    def __init__(self, config: EngineConfig, tp: TensorParallel = TensorParallel(),
                  pp: PipelineParallel = PipelineParallel()):
+        """config: the engine's, with its resolved_model (what to load)."""
+        resolved = config.resolved_model
+        if resolved is None:
+            raise ValueError("a worker needs the EngineConfig its engine resolved (resolved_model is None)")
         self.config = config
         self.device = torch.device(config.load.device)
         if self.device.type == "cpu":
             keep_large_allocations_in_heap()
-        self.model = spec.load_model(self.device, tp, pp)
-        self.max_model_len = spec.max_model_len
-        layers = self.model.model.own_layers
-        self._kv_shape = (len(layers), config.cache.block_size, layers[0].self_attn.num_kv_heads,
-                          layers[0].self_attn.head_dim)
+        self.model = load_model(resolved, self.device, tp, pp)
+        self.max_model_len = resolved.max_model_len
+        spec = self.model.kv_cache_spec()
+        self._kv_shape = (spec.num_layers, config.cache.block_size, spec.num_kv_heads, spec.head_dim)
         self._kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype) or spec.dtype
         self.kv_cache: PagedKVCache | None = None
         self.model_runner: ModelRunner | None = None
@@ -77,7 +80,8 @@ class Worker:
 def init_rank_worker(rank: int, config: EngineConfig, init_method: str, shm_name: str | None) -> Worker:
     """In a worker process of any executor: pick this rank's device, join the other ranks (torch.distributed
     at init_method: gloo on CPU, NCCL on CUDA), and load this rank's part of the model. shm_name: the ranks of
-    each tensor-parallel group share a host, so they may all-reduce through shared memory of that name."""
+    each tensor-parallel group share a host, so they may all-reduce through shared memory of that name.
+    config: the engine's, resolved (its resolved_model says what to load)."""
     parallel = config.parallel
     device = torch.device(config.load.device)
     if device.type == "cuda":
@@ -86,5 +90,4 @@ def init_rank_worker(rank: int, config: EngineConfig, init_method: str, shm_name
         config = dataclasses.replace(config, load=dataclasses.replace(config.load, device=str(device)))
     tp, pp = init_model_parallel(rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size, init_method,
                                  "nccl" if device.type == "cuda" else "gloo", shm_name)
-    load = config.load
-    return Worker(config, ModelSpec.resolve(load.model, load.dtype, load.max_model_len, load.quantization), tp, pp)
+    return Worker(config, tp, pp)

@@ -1,7 +1,9 @@
 """Where a model comes from: an HF directory, a GGUF file, or (no --model) the bundled GGUF.
 
 A checkpoint gives the model config, the weights as (HF parameter name, tensor) pairs, the tokenizer and
-the generation defaults; everything downstream is the same whichever kind it is."""
+the generation defaults; everything downstream is the same whichever kind it is. The engine opens it by path
+once, to resolve it (resolve.py); after that it is reopened from the ResolvedModel (the engine for its tokenizer,
+each worker for its weights), without reading or checking its configuration again."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,17 +13,20 @@ import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import torch
 from gguf import GGMLQuantizationType
 
 from qwenserve.config.errors import ConfigError
-from qwenserve.config.model_config import ModelConfig
+from qwenserve.config.model_config import QWEN2_DEFAULT_ROPE_THETA, ModelConfig
+from qwenserve.config.resolved_model import ResolvedModel
 from qwenserve.model.loader import bundled
 from qwenserve.model.loader.dequant import dequantize
 from qwenserve.model.loader.ggml_tensor import GGMLTensor
 from qwenserve.model.loader.gguf_file import GGUFFile
 from qwenserve.model.loader.tokenizer import load_hf_tokenizer, tokenizer_from_gguf
+from qwenserve.model.registry import MODEL_REGISTRY
 
 logger = logging.getLogger(__name__)
 _FLOAT_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16})
@@ -29,6 +34,7 @@ _FLOAT_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GG
 
 @dataclass
 class Checkpoint:
+    format = ""  # one of CHECKPOINT_FORMATS (config/resolved_model.py)
     path: str
     model_id: str
     config: ModelConfig
@@ -38,6 +44,10 @@ class Checkpoint:
     # how the checkpoint's weights are stored: "none" (dense) or the quantization they need ("gguf", ...)
     native_quantization = "none"
     quantization_config: dict = field(default_factory=dict)  # config.json's, for awq and gptq
+
+    @property
+    def weight_files(self) -> tuple[str, ...]:
+        raise NotImplementedError
 
     def weights(self, keep_types: frozenset = frozenset()) -> Iterator[tuple[str, torch.Tensor | GGMLTensor]]:
         """(HF name, tensor) for every weight; GGUF tensors of a type in keep_types come as their blocks."""
@@ -63,8 +73,26 @@ def open_checkpoint(model: str | None = None) -> Checkpoint:
                      "directory with config.json and *.safetensors, or a .gguf file)")
 
 
+def reopen_checkpoint(resolved: ResolvedModel) -> Checkpoint:
+    """The checkpoint an engine resolved, opened again for its weights or its tokenizer: its configuration is
+    resolved's, not read or checked again."""
+    if resolved.format == "gguf":
+        return GGUFCheckpoint(resolved.path, resolved.model_id, resolved.config)
+    return HFCheckpoint(resolved.path, resolved.model_id, resolved)
+
+
 class HFCheckpoint(Checkpoint):
-    def __init__(self, path: str, model_id: str | None = None):
+    format = "hf"
+    NAMING = "HF Qwen2 names (model.layers.N.self_attn.q_proj.weight, ...) in *.safetensors"
+
+    def __init__(self, path: str, model_id: str | None = None, resolved: ResolvedModel | None = None):
+        """resolved: what an engine made of this directory, whose configuration and file list are taken as
+        they are; without it config.json is read and checked."""
+        if resolved is not None:
+            super().__init__(path, model_id or path, resolved.config, self.NAMING, resolved.generation_config)
+            self.files = list(resolved.weight_files)
+            self._set_quantization_config(resolved.quantization_config)
+            return
         config_path = os.path.join(path, "config.json")
         if not os.path.isfile(config_path):
             raise ValueError(f"{path} has no config.json, so it is not an HF checkpoint directory")
@@ -73,11 +101,17 @@ class HFCheckpoint(Checkpoint):
         config = ModelConfig.from_hf_dict(raw_config)
         gen_path = os.path.join(path, "generation_config.json")
         generation = json.load(open(gen_path)) if os.path.isfile(gen_path) else {}
-        super().__init__(path, model_id or path, config,
-                         "HF Qwen2 names (model.layers.N.self_attn.q_proj.weight, ...) in *.safetensors", generation)
+        super().__init__(path, model_id or path, config, self.NAMING, generation)
         self.files = self._safetensors_files()
-        self.quantization_config = raw_config.get("quantization_config") or {}
-        self.native_quantization = str(self.quantization_config.get("quant_method", "none")).lower()
+        self._set_quantization_config(raw_config.get("quantization_config") or {})
+
+    def _set_quantization_config(self, quantization_config: dict) -> None:
+        self.quantization_config = quantization_config
+        self.native_quantization = str(quantization_config.get("quant_method", "none")).lower()
+
+    @property
+    def weight_files(self) -> tuple[str, ...]:
+        return tuple(self.files)
 
     def _safetensors_files(self) -> list[str]:
         index = os.path.join(self.path, "model.safetensors.index.json")
@@ -126,25 +160,26 @@ def gguf_to_hf_name(name: str) -> str:
 
 
 def config_from_gguf(md: dict) -> ModelConfig:
+    """The model config from GGUF metadata: llama.cpp's keys under the file's general.architecture (which must
+    be registered, model/registry.py), e.g. qwen2.block_count."""
     arch = md.get("general.architecture")
-    if arch != "qwen2":
-        raise ConfigError(f"GGUF general.architecture is {arch!r}; qwenserve serves 'qwen2' models")
+    architecture = MODEL_REGISTRY.architecture_for_gguf(arch)
 
     def need(key: str):
-        if f"qwen2.{key}" not in md:
-            raise ConfigError(f"GGUF metadata lacks qwen2.{key}")
-        return md[f"qwen2.{key}"]
+        if f"{arch}.{key}" not in md:
+            raise ConfigError(f"GGUF metadata lacks {arch}.{key}")
+        return md[f"{arch}.{key}"]
 
     heads = need("attention.head_count")
     scaling = None
-    kind = md.get("qwen2.rope.scaling.type")
+    kind = md.get(f"{arch}.rope.scaling.type")
     if kind and kind != "none":
-        scaling = {"rope_type": kind, "factor": md.get("qwen2.rope.scaling.factor")}
+        scaling = {"rope_type": kind, "factor": md.get(f"{arch}.rope.scaling.factor")}
         optional = {"original_context_length": "original_max_position_embeddings",
                     "yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow"}
         for gguf_key, hf_key in optional.items():
-            if f"qwen2.rope.scaling.{gguf_key}" in md:
-                scaling[hf_key] = md[f"qwen2.rope.scaling.{gguf_key}"]
+            if f"{arch}.rope.scaling.{gguf_key}" in md:
+                scaling[hf_key] = md[f"{arch}.rope.scaling.{gguf_key}"]
     tokens = md.get("tokenizer.ggml.tokens")
     return ModelConfig(
         vocab_size=len(tokens) if tokens else need("vocab_size"),
@@ -152,29 +187,52 @@ def config_from_gguf(md: dict) -> ModelConfig:
         intermediate_size=need("feed_forward_length"),
         num_hidden_layers=need("block_count"),
         num_attention_heads=heads,
-        num_key_value_heads=md.get("qwen2.attention.head_count_kv", heads),
+        num_key_value_heads=md.get(f"{arch}.attention.head_count_kv", heads),
         max_position_embeddings=need("context_length"),
         rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(md.get("qwen2.rope.freq_base", 1_000_000.0)),
+        rope_theta=float(md.get(f"{arch}.rope.freq_base", QWEN2_DEFAULT_ROPE_THETA)),
         rope_scaling=scaling,
         tie_word_embeddings=False,  # decided by the tensors present, see GGUFCheckpoint
         torch_dtype="bfloat16",
         bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=md.get("tokenizer.ggml.eos_token_id"),
+        architectures=(architecture,),
     )
 
 
+@lru_cache(maxsize=1)
+def _gguf_file(path: str, size: int, mtime_ns: int) -> GGUFFile:
+    """The last GGUF file opened, kept: the engine resolves it, builds its tokenizer and, with the worker in
+    its process, loads its weights, each of which would otherwise parse its header again (0.5 s for the
+    bundled model's vocabulary). Keyed by size and mtime too, so a file written again is read again."""
+    return GGUFFile(path)
+
+
+def open_gguf_file(path: str) -> GGUFFile:
+    st = os.stat(path)
+    return _gguf_file(path, st.st_size, st.st_mtime_ns)
+
+
 class GGUFCheckpoint(Checkpoint):
-    def __init__(self, path: str, model_id: str | None = None):
-        self.file = GGUFFile(path)
-        config = config_from_gguf(self.file.metadata)
-        if "output.weight" not in self.file.tensors:  # no separate LM head: it is the embedding
-            config = dataclasses.replace(config, tie_word_embeddings=True)
+    format = "gguf"
+
+    def __init__(self, path: str, model_id: str | None = None, config: ModelConfig | None = None):
+        """config: the one an engine resolved from this file, taken as it is; without it the metadata is read
+        and checked."""
+        self.file = open_gguf_file(path)
+        if config is None:
+            config = config_from_gguf(self.file.metadata)
+            if "output.weight" not in self.file.tensors:  # no separate LM head: it is the embedding
+                config = dataclasses.replace(config, tie_word_embeddings=True)
         generation = {"eos_token_id": config.eos_token_id} if config.eos_token_id is not None else {}
         super().__init__(path, model_id or os.path.basename(path), config,
                          "llama.cpp GGUF names (blk.N.attn_q.weight, ...)", generation)
 
     native_quantization = "gguf"
+
+    @property
+    def weight_files(self) -> tuple[str, ...]:
+        return (self.path,)
 
     def weights(self, keep_types: frozenset = frozenset()):
         for info in self.file.tensors.values():

@@ -1,22 +1,22 @@
-"""Build the model for a checkpoint and fill its parameters, each through its own weight_loader."""
+"""Build the model a ResolvedModel names and fill its parameters, each through its own weight_loader."""
 from __future__ import annotations
 
 import contextlib
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from qwenserve.config.errors import ConfigError
-from qwenserve.config.model_config import resolve_dtype
+from qwenserve.config.engine_config import LoadConfig
+from qwenserve.config.resolved_model import ResolvedModel
 from qwenserve.kernels import cpu_ops_for
-from qwenserve.model.layers.quantization import QUANTIZATIONS, QuantizationScheme, quantization_scheme
-from qwenserve.model.loader.checkpoint import Checkpoint, open_checkpoint
+from qwenserve.model.interface import CausalLM
+from qwenserve.model.layers.quantization import quantization_scheme
+from qwenserve.model.loader.checkpoint import reopen_checkpoint
 from qwenserve.model.loader.ggml_tensor import GGMLTensor
-from qwenserve.model.models.qwen2 import Qwen2ForCausalLM
+from qwenserve.model.loader.resolve import load_tokenizer, resolve_model
 from qwenserve.model.parallel import PipelineParallel, TensorParallel
 
 logger = logging.getLogger(__name__)
@@ -37,23 +37,19 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-def load_model(checkpoint: Checkpoint, dtype: torch.dtype, max_model_len: int,
-               tp: TensorParallel = TensorParallel(), device: str | torch.device = "cpu",
-               quantization: QuantizationScheme = QuantizationScheme(),
-               pp: PipelineParallel = PipelineParallel()) -> Qwen2ForCausalLM:
-    """The model with its weights loaded; GGUF tensors of a type in quantization.keep_types reach their
-    parameters as blocks (a linear method that runs them), others dequantized."""
+def load_model(resolved: ResolvedModel, device: str | torch.device = "cpu", tp: TensorParallel = TensorParallel(),
+               pp: PipelineParallel = PipelineParallel()) -> CausalLM:
+    """This process's part of the resolved model (its class from the registry, looked up by the engine) with its
+    weights loaded; GGUF tensors of a type the quantization keeps reach their parameters as blocks (a linear
+    method that runs them), others dequantized."""
     start = time.perf_counter()
+    quantization = quantization_scheme(resolved.quantization, resolved.quantization_config)
     if quantization.layers is not None and cpu_ops_for(device) is None:
         logger.warning("quantized weights: our kernels do not run on %s; they are dequantized at load (dense "
                        "memory and speed)", device)
-    with _default_dtype(dtype), torch.device(device):
-        model = Qwen2ForCausalLM(checkpoint.config, max_model_len, tp, quantization, pp)
-    attn = model.model.own_layers[0].self_attn
-    if tp.size > 1 or pp.size > 1:
-        logger.info("tensor-parallel rank %d of %d: %d query heads, %d kv heads; pipeline stage %d of %d: layers "
-                    "%d-%d", tp.rank, tp.size, attn.num_heads, attn.num_kv_heads, pp.rank, pp.size,
-                    model.model.start_layer, model.model.end_layer - 1)
+    checkpoint = reopen_checkpoint(resolved)
+    with _default_dtype(resolved.dtype), torch.device(device):
+        model = resolved.model_class(resolved.config, resolved.max_model_len, tp, quantization, pp)
     load_weights(model, checkpoint.weights(quantization.keep_types), checkpoint.naming)
     model.process_weights_after_loading()
     checkpoint.release_pages()
@@ -61,10 +57,10 @@ def load_model(checkpoint: Checkpoint, dtype: torch.dtype, max_model_len: int,
     return model.eval()
 
 
-def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], naming: str) -> None:
+def load_weights(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]], naming: str) -> None:
     """Copy checkpoint tensors (HF names) into the model; raise listing every missing and unexpected tensor."""
     params = dict(model.named_parameters())  # a tied LM head appears once, as the embedding
-    packed = getattr(model, "packed_modules_mapping", {})
+    packed = model.packed_modules_mapping
     loaded: set[tuple[str, object]] = set()
     unexpected: list[str] = []
     for name, tensor in weights:
@@ -99,7 +95,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
             parts.append(f"missing tensors: {_summarize(missing)}")
         if unexpected:
             parts.append(f"unexpected tensors: {_summarize(unexpected)}")
-        raise WeightLoadError(f"checkpoint does not match the Qwen2 model ({'; '.join(parts)}); "
+        raise WeightLoadError(f"checkpoint does not match the {type(model).__name__} model ({'; '.join(parts)}); "
                               f"expected {naming}")
 
 
@@ -128,73 +124,6 @@ def _summarize(names: list[str], limit: int = 12) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def resolve_quantization(requested: str | None, checkpoint: Checkpoint) -> str:
-    """The quantization method to run: the one asked for, else the checkpoint's own (gguf for a GGUF file, awq or
-    gptq from config.json's quantization_config). int8 and int4 quantize dense weights (or a GGUF file's,
-    dequantized) at load; awq and gptq run only their own checkpoints."""
-    native = checkpoint.native_quantization
-    if native not in QUANTIZATIONS:
-        raise ConfigError(f"{checkpoint.path} holds {native!r}-quantized weights (quantization_config in "
-                          f"config.json), which qwenserve does not load; it loads: awq, gptq")
-    choice = native if requested is None else str(requested).lower()
-    if choice not in QUANTIZATIONS:
-        raise ConfigError(f"quantization {requested!r} is not supported; use one of {', '.join(QUANTIZATIONS)}")
-    if choice == "gguf" and native != "gguf":
-        raise ConfigError(f"quantization gguf runs a GGUF file's blocks, but {checkpoint.path} is not a GGUF file")
-    if choice in ("awq", "gptq") and native != choice:
-        raise ConfigError(f"quantization {choice} loads {choice.upper()} checkpoints, but {checkpoint.path} is "
-                          + ("not quantized" if native == "none" else f"{native}-quantized"))
-    if native in ("awq", "gptq") and choice != native:
-        raise ConfigError(f"{checkpoint.path} is a {native.upper()} checkpoint: it runs with quantization "
-                          f"{native} only, not {choice}")
-    _scheme(choice, checkpoint)  # a bad quantization_config fails here, before any worker starts
-    return choice
-
-
-def _scheme(quantization: str, checkpoint: Checkpoint) -> QuantizationScheme:
-    try:
-        return quantization_scheme(quantization, checkpoint.quantization_config)
-    except ValueError as e:
-        raise ConfigError(f"{checkpoint.path}: {e}") from e
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """What to run, resolved once from the engine settings: the checkpoint, the run dtype, the context length,
-    and how the weights are held (the quantization method)."""
-    checkpoint: Checkpoint
-    dtype: torch.dtype
-    max_model_len: int
-    quantization: str = "none"
-
-    @classmethod
-    def resolve(cls, model: str | None = None, dtype: str | torch.dtype | None = "auto",
-                max_model_len: int | None = None, quantization: str | None = None) -> ModelSpec:
-        checkpoint = open_checkpoint(model)
-        spec = cls(checkpoint, resolve_dtype(dtype, checkpoint.config),
-                   checkpoint.config.resolve_max_model_len(max_model_len),
-                   resolve_quantization(quantization, checkpoint))
-        checkpoint.config.log_shape(spec.dtype, spec.max_model_len)
-        logger.info("quantization: %s", spec.quantization)
-        return spec
-
-    def stop_token_ids(self, tokenizer) -> set[int]:
-        """EOS ids from generation_config, the config and the tokenizer."""
-        ids: set[int] = set()
-        for value in (self.checkpoint.generation_config.get("eos_token_id"), self.checkpoint.config.eos_token_id,
-                      tokenizer.eos_token_id):
-            if isinstance(value, int):
-                ids.add(value)
-            elif isinstance(value, list):
-                ids.update(v for v in value if isinstance(v, int))
-        return ids
-
-    def load_model(self, device: str | torch.device = "cpu", tp: TensorParallel = TensorParallel(),
-                   pp: PipelineParallel = PipelineParallel()) -> Qwen2ForCausalLM:
-        return load_model(self.checkpoint, self.dtype, self.max_model_len, tp, device,
-                          _scheme(self.quantization, self.checkpoint), pp)
-
-
 class LoadedModel:
     """A checkpoint made ready to run in this process, model and tokenizer (for tools and tests; the engine
     splits the two between its worker and its input/output processing)."""
@@ -202,13 +131,14 @@ class LoadedModel:
     def __init__(self, model: str | None = None, dtype: str | torch.dtype | None = "auto",
                  max_model_len: int | None = None, device: str = "cpu", quantization: str | None = "none"):
         start = time.perf_counter()
-        self.spec = ModelSpec.resolve(model, dtype, max_model_len, quantization)
-        self.checkpoint, self.config = self.spec.checkpoint, self.spec.checkpoint.config
-        self.dtype, self.max_model_len = self.spec.dtype, self.spec.max_model_len
-        self.tokenizer = self.checkpoint.tokenizer()
-        self.model = self.spec.load_model(device)
+        self.resolved_model = resolve_model(LoadConfig(model=model, dtype=dtype, max_model_len=max_model_len,
+                                                           device=device, quantization=quantization))
+        self.config, self.dtype = self.resolved_model.config, self.resolved_model.dtype
+        self.max_model_len = self.resolved_model.max_model_len
+        self.tokenizer = load_tokenizer(self.resolved_model)
+        self.model = load_model(self.resolved_model, device)
         self.load_seconds = time.perf_counter() - start
 
     @property
     def model_id(self) -> str:
-        return self.checkpoint.model_id
+        return self.resolved_model.model_id

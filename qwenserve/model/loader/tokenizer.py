@@ -55,10 +55,11 @@ def tokenizer_from_gguf(metadata: dict):
         idx = metadata.get(f"tokenizer.ggml.{key}")
         return tokens[idx] if idx is not None and 0 <= idx < len(tokens) else None
 
+    context_length = metadata.get(f"{metadata.get('general.architecture')}.context_length", 32768)
     return PreTrainedTokenizerFast(
         tokenizer_object=backend, eos_token=token("eos_token_id"), pad_token=token("padding_token_id"),
         bos_token=None, unk_token=None, chat_template=metadata.get("tokenizer.chat_template"),
-        model_max_length=metadata.get("qwen2.context_length", 32768), clean_up_tokenization_spaces=False,
+        model_max_length=context_length, clean_up_tokenization_spaces=False,
     )
 
 

@@ -1,0 +1,2 @@
+"""The built-in model classes; importing each module registers its classes (model/registry.py)."""
+from qwenserve.model.models import qwen2  # noqa: F401

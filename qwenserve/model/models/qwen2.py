@@ -10,10 +10,13 @@ last returns them instead of hidden states.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
 from qwenserve.config.model_config import ModelConfig
+from qwenserve.model.interface import KVCacheSpec
 from qwenserve.model.layers.activation import SiluAndMul
 from qwenserve.model.layers.attention import Attention, AttentionMetadata
 from qwenserve.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -22,6 +25,9 @@ from qwenserve.model.layers.linear import LinearMethod, MergedColumnParallelLine
 from qwenserve.model.layers.quantization import QuantizationScheme
 from qwenserve.model.layers.rotary import RotaryEmbedding
 from qwenserve.model.parallel import PipelineParallel, TensorParallel, check_head_split
+from qwenserve.model.registry import MODEL_REGISTRY
+
+logger = logging.getLogger(__name__)
 
 
 class Qwen2Attention(nn.Module):
@@ -132,6 +138,7 @@ class Qwen2Model(nn.Module):
         return hidden
 
 
+@MODEL_REGISTRY.register("Qwen2ForCausalLM", gguf_architecture="qwen2")
 class Qwen2ForCausalLM(nn.Module):
     # checkpoint projection -> (fused parameter, shard id)
     packed_modules_mapping = {
@@ -149,6 +156,7 @@ class Qwen2ForCausalLM(nn.Module):
         check_head_split(config.num_attention_heads, config.num_key_value_heads, tp.size)
         self.config = config
         self.pp = pp
+        self.hidden_size = config.hidden_size
         self.dtype = torch.get_default_dtype()  # parameters are created in it (see model_loader)
         # a tied head reads the embedding's dense weight: the embedding keeps blocks only when untied
         self.model = Qwen2Model(config, max_position, tp, quantization.layers,
@@ -160,6 +168,15 @@ class Qwen2ForCausalLM(nn.Module):
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, head_method)
             if config.tie_word_embeddings and pp.is_first:
                 self.lm_head.tie_to(self.model.embed_tokens)
+        if tp.size > 1 or pp.size > 1:
+            attn = self.model.own_layers[0].self_attn
+            logger.info("tensor-parallel rank %d of %d: %d query heads, %d kv heads; pipeline stage %d of %d: "
+                        "layers %d-%d", tp.rank, tp.size, attn.num_heads, attn.num_kv_heads, pp.rank, pp.size,
+                        self.model.start_layer, self.model.end_layer - 1)
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        attn = self.model.own_layers[0].self_attn
+        return KVCacheSpec(len(self.model.own_layers), attn.num_kv_heads, attn.head_dim, self.dtype)
 
     def checkpoint_target(self, name: str) -> str | None:
         """The parameter name a checkpoint tensor loads into, or None when another pipeline stage owns it. A

@@ -1,0 +1,69 @@
+"""Resolve what to run, once per engine, before any worker starts: open the checkpoint's configuration (config.json
+or GGUF metadata), check its architecture against the model registry, and settle the run dtype, the context
+length and the quantization. The result, a ResolvedModel, is plain data that every worker receives; the
+tokenizer is built from it here, for the engine's input and output processing."""
+from __future__ import annotations
+
+import logging
+
+from qwenserve.config.engine_config import LoadConfig
+from qwenserve.config.errors import ConfigError
+from qwenserve.config.model_config import resolve_dtype
+from qwenserve.config.resolved_model import ResolvedModel
+from qwenserve.model.layers.quantization import QUANTIZATIONS, QuantizationScheme, quantization_scheme
+from qwenserve.model.loader.checkpoint import Checkpoint, open_checkpoint, reopen_checkpoint
+from qwenserve.model.registry import MODEL_REGISTRY
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_model(load: LoadConfig) -> ResolvedModel:
+    checkpoint = open_checkpoint(load.model)
+    config = checkpoint.config
+    architecture = MODEL_REGISTRY.resolve(config.architectures)
+    resolved = ResolvedModel(
+        path=checkpoint.path, model_id=checkpoint.model_id, format=checkpoint.format, architecture=architecture,
+        model_class=MODEL_REGISTRY.model_class(architecture), config=config,
+        dtype=resolve_dtype(load.dtype, config), max_model_len=config.resolve_max_model_len(load.max_model_len),
+        quantization=resolve_quantization(load.quantization, checkpoint),
+        quantization_config=checkpoint.quantization_config, generation_config=checkpoint.generation_config,
+        weight_files=checkpoint.weight_files)
+    config.log_shape(resolved.dtype, resolved.max_model_len)
+    logger.info("architecture: %s; quantization: %s", architecture, resolved.quantization)
+    return resolved
+
+
+def load_tokenizer(resolved: ResolvedModel):
+    """The checkpoint's tokenizer: its HF tokenizer files, or the one a GGUF file's metadata describes."""
+    return reopen_checkpoint(resolved).tokenizer()
+
+
+def resolve_quantization(requested: str | None, checkpoint: Checkpoint) -> str:
+    """The quantization method to run: the one asked for, else the checkpoint's own (gguf for a GGUF file, awq or
+    gptq from config.json's quantization_config). int8 and int4 quantize dense weights (or a GGUF file's,
+    dequantized) at load; awq and gptq run only their own checkpoints."""
+    native = checkpoint.native_quantization
+    if native not in QUANTIZATIONS:
+        raise ConfigError(f"{checkpoint.path} holds {native!r}-quantized weights (quantization_config in "
+                          f"config.json), which qwenserve does not load; it loads: awq, gptq")
+    choice = native if requested is None else str(requested).lower()
+    if choice not in QUANTIZATIONS:
+        raise ConfigError(f"quantization {requested!r} is not supported; use one of {', '.join(QUANTIZATIONS)}")
+    if choice == "gguf" and native != "gguf":
+        raise ConfigError(f"quantization gguf runs a GGUF file's blocks, but {checkpoint.path} is not a GGUF file")
+    if choice in ("awq", "gptq") and native != choice:
+        raise ConfigError(f"quantization {choice} loads {choice.upper()} checkpoints, but {checkpoint.path} is "
+                          + ("not quantized" if native == "none" else f"{native}-quantized"))
+    if native in ("awq", "gptq") and choice != native:
+        raise ConfigError(f"{checkpoint.path} is a {native.upper()} checkpoint: it runs with quantization "
+                          f"{native} only, not {choice}")
+    checked_quantization_scheme(choice, checkpoint.quantization_config, checkpoint.path)  # fails here, not in a worker
+    return choice
+
+
+def checked_quantization_scheme(quantization: str, quantization_config: dict, path: str) -> QuantizationScheme:
+    """The linear methods for a quantization name; a bad quantization_config is a ConfigError naming the file."""
+    try:
+        return quantization_scheme(quantization, quantization_config)
+    except ValueError as e:
+        raise ConfigError(f"{path}: {e}") from e
