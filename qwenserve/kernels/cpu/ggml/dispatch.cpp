@@ -45,10 +45,10 @@
 #endif
 
 // The activation dtypes both entry points take (they reject any other before dispatching)
-#define QS_GGML_DISPATCH_DTYPES(TYPE, NAME, ...)                              \
-  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)    \
-                                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__) \
-                                         AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
+#define QS_GGML_DISPATCH_DTYPES(TYPE, NAME, ...)                                   \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)         \
+                                 AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__)      \
+                                 AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
 
 namespace qwenserve::cpu {
 namespace ggml {

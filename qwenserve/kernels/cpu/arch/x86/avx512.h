@@ -131,7 +131,6 @@ void dot8_legacy512(const uint8_t* w, int64_t nb, const ActQ8_0* const* y, float
   }
 }
 
-
 // the kernel types dot8_legacy512 takes
 template <typename Kernel>
 constexpr bool kWide512 = false;
