@@ -192,3 +192,23 @@ def test_a_lock_left_by_a_killed_build_is_removed(tmp_path, monkeypatch):
         kernels._remove_stale_lock(name)
     assert not (tmp_path / "stale" / "lock").exists()
     assert (tmp_path / "fresh" / "lock").exists()
+
+
+def test_the_build_takes_every_source_under_cpu_and_hashes_each(tmp_path, monkeypatch):
+    """Sources in subdirectories (ggml/, arch/x86/) are compiled and any edit to one, a header included, changes the
+    library's name; two .cpp files with one file name (the builder's object files are named after it) are refused."""
+    (tmp_path / "arch" / "x86").mkdir(parents=True)
+    (tmp_path / "ggml").mkdir()
+    for name in ("register.cpp", "vec.h", "ggml/dispatch.cpp", "arch/x86/avx2.h"):
+        (tmp_path / name).write_text("// one\n")
+    monkeypatch.setattr(kernels, "_SOURCE_DIR", tmp_path)
+    assert [p.relative_to(tmp_path).as_posix() for p in kernels._source_files()] == [
+        "arch/x86/avx2.h", "ggml/dispatch.cpp", "register.cpp", "vec.h"]
+    tag = kernels._source_tag()
+    (tmp_path / "arch" / "x86" / "avx2.h").write_text("// two\n")
+    edited = kernels._source_tag()
+    (tmp_path / "arch" / "x86" / "avx2.h").rename(tmp_path / "ggml" / "avx2.h")  # the same bytes elsewhere
+    assert len({tag, edited, kernels._source_tag()}) == 3
+    (tmp_path / "arch" / "x86" / "dispatch.cpp").write_text("// one\n")
+    with pytest.raises(RuntimeError, match="arch/x86/dispatch.cpp and ggml/dispatch.cpp share a file name"):
+        kernels._source_files()

@@ -1,4 +1,4 @@
-"""The ggml kernels (kernels/cpu/ggml_quants.cpp): ggml_dequantize against our torch dequantizers bit for bit, and
+"""The ggml kernels (kernels/cpu/ggml/): ggml_dequantize against our torch dequantizers bit for bit, and
 ggml_mm (a linear layer on quantized weights, activations quantized per row to q8_0 / q8_K as ggml does) against a
 float64 reference of the same quantization, and against F.linear on the dequantized weight."""
 import hashlib
@@ -275,8 +275,9 @@ def test_bad_arguments_are_rejected(ops):
         ops.ggml_mm(torch.empty(1, 4), torch.randn(1, 64), raw, int(Q.Q8_0), 1, None, 3)
 
 
-# The portable path, built without AVX2 in a subprocess (its own small library of the two ggml ops), must give the
-# same dequantized values bit for bit and the same products up to float summation order.
+# The portable path, built without AVX2 in a subprocess (its own small library of the two ggml ops: the scalar
+# reference and the dispatch, with none of arch/x86/ compiled in), must give the same dequantized values bit for bit
+# and the same products up to float summation order.
 _SCALAR_RUN = textwrap.dedent("""
     import sys
     from pathlib import Path
@@ -284,8 +285,9 @@ _SCALAR_RUN = textwrap.dedent("""
     import torch
     from torch.utils.cpp_extension import load
 
-    src, reg, data, name = sys.argv[1:5]
-    load(name=name, sources=[src, reg], extra_include_paths=[str(Path(src).parent)],
+    cpu, reg, data, name = sys.argv[1:5]
+    sources = [str(p) for p in sorted(Path(cpu).glob("ggml/*.cpp"))] + [reg]
+    load(name=name, sources=sources, extra_include_paths=[cpu],
          extra_cflags=["-O3", "-march=native", "-mno-avx2", "-mno-fma", "-mno-f16c", "-fopenmp"],
          extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     ops = torch.ops.qwenserve_ggml_portable
@@ -317,10 +319,9 @@ TORCH_LIBRARY_IMPL(qwenserve_ggml_portable, CPU, m) {
 def test_portable_path_computes_the_same(ops, tmp_path):
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("the library here is already the portable build")
-    src = Path(kernels.__file__).with_name("cpu") / "ggml_quants.cpp"
+    cpu = Path(kernels.__file__).with_name("cpu")
     # torch rebuilds on a changed .cpp but not on a changed header: the sources' hash goes into the name
-    sources = b"".join((src.parent / f).read_bytes() for f in ("ggml_quants.cpp", "vec.h", "ops.h"))
-    tag = hashlib.sha1(kernels._cpu_tag().encode() + sources + _SCALAR_REGISTER.encode()).hexdigest()[:8]
+    tag = hashlib.sha1((kernels._cpu_tag() + kernels._source_tag() + _SCALAR_REGISTER).encode()).hexdigest()[:8]
     # a fixed path for the registration source, so later runs find the library built (torch's builder keys on it)
     reg = Path(tempfile.gettempdir()) / f"qwenserve_ggml_portable_{tag}.cpp"
     if not reg.exists() or reg.read_text() != _SCALAR_REGISTER:
@@ -333,7 +334,7 @@ def test_portable_path_computes_the_same(ops, tmp_path):
             cases.append((int(qtype), random_blocks(qtype, 21, k, seed=i, scale=0.02), x))
     data = tmp_path / "cases.pt"
     torch.save(cases, data)
-    proc = subprocess.run([sys.executable, "-c", _SCALAR_RUN, str(src), str(reg), str(data),
+    proc = subprocess.run([sys.executable, "-c", _SCALAR_RUN, str(cpu), str(reg), str(data),
                            f"qwenserve_ggml_portable_{tag}"], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = torch.load(data)

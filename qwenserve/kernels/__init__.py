@@ -39,7 +39,15 @@ def _cpu_tag() -> str:
 
 
 def _source_files() -> list[Path]:
-    return sorted(p for p in _SOURCE_DIR.iterdir() if p.suffix in (".cpp", ".h"))
+    """Every source and header under cpu/, its subdirectories (ggml/, arch/<family>/) included. The extension
+    builder names each object file after its source's file name alone, so two .cpp files may not share one."""
+    files = sorted(p for p in _SOURCE_DIR.rglob("*") if p.suffix in (".cpp", ".h"))
+    by_name: dict[str, Path] = {}
+    for p in files:
+        if p.suffix == ".cpp" and by_name.setdefault(p.name, p) is not p:
+            raise RuntimeError(f"kernel sources {by_name[p.name].relative_to(_SOURCE_DIR)} and "
+                               f"{p.relative_to(_SOURCE_DIR)} share a file name; the builder needs them distinct")
+    return files
 
 
 # -fno-trapping-math: without it GCC keeps float comparisons (clamps, selects) as branches, which stops it from
@@ -53,7 +61,7 @@ def _source_tag() -> str:
     changes but does not look at headers, so the hash goes into the library's name: any edit builds afresh."""
     h = hashlib.sha1(" ".join(_CFLAGS).encode())
     for p in _source_files():
-        h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+        h.update(p.relative_to(_SOURCE_DIR).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
     return h.hexdigest()[:8]
 
 

@@ -6,6 +6,7 @@
 
 #include <vector>
 
+#include "cpu_features.h"
 #include "ops.h"
 #include "vec.h"
 

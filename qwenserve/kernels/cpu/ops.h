@@ -1,8 +1,8 @@
 // The op entry points, one definition each in the op family's source file (norm.cpp, rotary.cpp,
-// activation.cpp, attention.cpp, prefill_attention.cpp, sampling.cpp, ggml_quants.cpp), declared here so
+// activation.cpp, attention.cpp, prefill_attention.cpp, sampling.cpp, ggml/dispatch.cpp), declared here so
 // register.cpp can bind them to the schemas of torch.ops.qwenserve in one place. Each checks its arguments and
-// dispatches on the dtype (float32, float64, bfloat16, float16; prefill_attention: bf16 only); the shapes each
-// expects are documented at its definition.
+// dispatches on the dtype (float32, float64, bfloat16, float16; the ggml ops: float32, bfloat16, float16;
+// prefill_attention: bf16 only); the shapes each expects are documented at its definition.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -26,7 +26,7 @@ void prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
 bool prefill_attention_supported(int64_t head_dim);
 // sampling.cpp
 at::Tensor argmax_rows(const at::Tensor& logits);
-// ggml_quants.cpp (ggml types: Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14)
+// ggml/dispatch.cpp (ggml types: Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14)
 at::Tensor ggml_dequantize(const at::Tensor& raw, int64_t ggml_type, int64_t cols, at::ScalarType dtype,
                            int64_t group);
 // act_levels: 1 quantizes each activation once to int8 blocks, as llama.cpp; 2 quantizes what that leaves too

@@ -14,20 +14,14 @@
 
 #include <vector>
 
+#include "cpu_features.h"
 #include "ops.h"
 #include "vec.h"
-
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-#include <immintrin.h>
-#define QS_BF16_ATTENTION 1
-#else
-#define QS_BF16_ATTENTION 0
-#endif
 
 namespace qwenserve::cpu {
 namespace {
 
-#if QS_BF16_ATTENTION
+#if QS_X86_AVX512_BF16
 constexpr int64_t kKeys = 32;  // keys per block
 
 inline uint32_t pair_of(c10::BFloat16 lo, c10::BFloat16 hi) {
@@ -173,7 +167,7 @@ void prefill_impl(c10::BFloat16* out, const c10::BFloat16* q, int64_t q_stride, 
 }  // namespace
 
 bool prefill_attention_supported(int64_t head_dim) {
-  return QS_BF16_ATTENTION && (head_dim == 64 || head_dim == 128);
+  return QS_X86_AVX512_BF16 && (head_dim == 64 || head_dim == 128);
 }
 
 // out: [n, heads, head_dim] contiguous; q: [n, heads, head_dim], k / v: [n, kv_heads, head_dim] (rows may be
@@ -190,7 +184,7 @@ void prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
   TORCH_CHECK(k.stride(0) == v.stride(0), "prefill_attention: k and v must share a row stride");
   TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes() && out.scalar_type() == at::kBFloat16,
               "prefill_attention: out must be a contiguous bf16 tensor like q");
-#if QS_BF16_ATTENTION
+#if QS_X86_AVX512_BF16
   const int64_t n = q.size(0);
   if (n == 0) return;
   auto run = [&](auto d) {

@@ -1,7 +1,7 @@
 // Registers the fused CPU kernels for the decoder layer as torch.ops.qwenserve.*. Each replaces a chain of small
 // PyTorch ops (and their temporaries) with one pass over the data. The schemas and the CPU bindings live here
 // only: TORCH_LIBRARY may appear once per library, and keeping the bindings next to it shows every op at a
-// glance. Built at first use by qwenserve/kernels/__init__.py (all of cpu/*.cpp, -O3 -march=native).
+// glance. Built at first use by qwenserve/kernels/__init__.py (every .cpp under cpu/, -O3 -march=native).
 
 #include <torch/library.h>
 

@@ -7,6 +7,7 @@
 
 #include <vector>
 
+#include "cpu_features.h"
 #include "ops.h"
 #include "vec.h"
 
@@ -15,7 +16,7 @@ namespace {
 
 template <typename T>
 int64_t first_argmax(const T* row, int64_t n) {
-#if defined(__AVX512F__)
+#if QS_X86_AVX512F
   if constexpr (kWideLoad<T>) {
     if (n >= 16 && n <= INT32_MAX) {
       // one pass: per lane, the largest value so far and the first position holding it

@@ -3,21 +3,20 @@
 // operations in the activation dtype, so bfloat16 results match the PyTorch path bit for bit where the PyTorch
 // path rounds, and float32 results agree to float rounding. The loops are written as fixed-width lanes so the
 // compiler vectorises them without -ffast-math (which would reorder the sums and break the bit-equality). Every
-// x86 intrinsic sits under __AVX512F__ (or, for the 8-wide loads, AVX2 + FMA + F16C), so the same sources build
-// the portable path anywhere else; everything here is inline, so each op family's translation unit can include it.
+// x86 intrinsic sits under QS_X86_AVX512F (or, for the 8-wide loads, QS_X86_AVX2; see cpu_features.h), so the
+// same sources build the portable path anywhere else; everything here is inline, so each op family's translation
+// unit can include it.
 #pragma once
 
 #include <ATen/ATen.h>
-
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
-#include <immintrin.h>
-#endif
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+
+#include "cpu_features.h"
 
 namespace qwenserve::cpu {
 
@@ -136,7 +135,7 @@ inline void check_cpu_contiguous_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.stride(-1) == 1, name, " must be contiguous in its last dimension");
 }
 
-#if defined(__AVX512F__)
+#if QS_X86_AVX512F
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {
   __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -168,7 +167,7 @@ inline __m512 load16(const c10::Float8_e4m3fn* p) {
 // element types with a 16-wide AVX-512 load above (double takes the portable path)
 template <typename T>
 inline constexpr bool kWideLoad = !std::is_same_v<T, double>;
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#elif QS_X86_AVX2
 // The same loads 8 wide, for AVX2 machines (every one has FMA and F16C; -march=native turns them on together).
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const c10::BFloat16* p) {

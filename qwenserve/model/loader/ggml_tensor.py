@@ -10,7 +10,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from qwenserve.model.loader.dequant import dequantize
 
-DECODE_GROUP = 8  # rows per group in the decode layout (kernels/cpu/ggml_quants.cpp, Layout)
+DECODE_GROUP = 8  # rows per group in the decode layout (kernels/cpu/ggml/common.h, Layout)
 
 
 @dataclass(frozen=True)

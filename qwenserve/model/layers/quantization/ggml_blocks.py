@@ -1,4 +1,4 @@
-"""Linear layers whose weight is held as ggml blocks (see kernels/cpu/ggml_quants.cpp), and packers that write
+"""Linear layers whose weight is held as ggml blocks (see kernels/cpu/ggml/), and packers that write
 integer codes with their scales as such blocks.
 
 Every quantized method here (a GGUF file's own blocks, int8 / int4 made at load, AWQ and GPTQ checkpoints) ends
@@ -216,7 +216,7 @@ def drop_dense_weight(layer: nn.Module) -> None:
 
 # ---------------------------------------------------------------------------------------------------------------
 # Packers: integer codes [rows, cols] with one scale (and offset) per 32 weights -> ggml blocks (layouts at the top
-# of ggml_quants.cpp). Scales are taken as fp16, as the blocks store them.
+# of kernels/cpu/ggml/common.h). Scales are taken as fp16, as the blocks store them.
 
 def _fp16_bytes(values: torch.Tensor) -> torch.Tensor:
     """[rows, nb] -> uint8 [rows, nb, 2], little-endian fp16."""

@@ -1,0 +1,308 @@
+// Linear layers straight on ggml-quantized weights (ggml_mm) and ggml block decoding (ggml_dequantize), for
+// Q4_0, Q4_1, Q5_0, Q8_0 (blocks of 32) and Q4_K, Q5_K, Q6_K (super-blocks of 256): the drivers and the entry
+// points, which pick for each call the kernels this build has.
+//
+// ggml_mm works as llama.cpp does on the CPU: every activation row is quantized once per call, to blocks of 32
+// int8 with one scale (q8_0, for the 32-blocks) or of 256 with one fp32 scale and sums of 16 (q8_K, for the
+// K-quants), exactly as ggml's reference quantizers; each (weight block, activation block) pair then gives an
+// exact integer dot product, which is scaled and accumulated in float (act_levels 2, for float32 runs: what each
+// row's codes leave is quantized as one more row, and the two rows' results summed). Work is split over weight
+// rows (each weight byte is read once per call: decode is memory-bound), and every decoded weight block serves up
+// to 4 activation rows. At one activation row (decode) weights held in the decode layout (rows in groups of 8, a
+// block of each side by side: see Layout) go 8 rows at a time, read ahead in software: measured on 2 AVX2 cores
+// with the bundled model's weights from memory, 1.0x (Q6_K) to 1.5x (Q5_0) the speed of row by row in the file's
+// layout. With AVX512-VNNI, from 4 activation rows a group of 8 weight rows is decoded once per call and swept by
+// all activation rows, 16 at a time (mm_tiles); from 16 activation rows, groups of 16 weight rows, one per int32
+// lane (mm_tiles16).
+//
+// Where the kernels live (the include path is cpu/):
+//   ggml/common.h          block layouts, activation blocks, kernel types, row layouts
+//   ggml/quants_ref.*      the scalar reference, built on every CPU: what runs where no arch/ kernel applies
+//   arch/x86/avx2.h        AVX2 block decoders and dot products (one row, and 8 rows of the decode layout)
+//   arch/x86/avx512.h      the AVX-512 activation quantizer and decode kernel of the 4-bit 32-blocks
+//   arch/x86/vnni_tiles.h  the AVX512-VNNI tile kernels for many activation rows
+//   arch/x86/dequantize.h  x86 block dequantizing
+// Another CPU family adds arch/<family>/ (arch/arm/: NEON, dotprod) with its feature macros in cpu_features.h,
+// and a branch beside each x86 one below.
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#include "cpu_features.h"
+#include "ggml/common.h"
+#include "ggml/quants_ref.h"
+#include "ops.h"
+
+#if QS_X86_AVX2
+#include "arch/x86/avx2.h"
+#include "arch/x86/avx512.h"
+#include "arch/x86/dequantize.h"
+#include "arch/x86/vnni_tiles.h"
+#endif
+
+// The activation dtypes both entry points take (they reject any other before dispatching)
+#define QS_GGML_DISPATCH_DTYPES(TYPE, NAME, ...)                                   \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)         \
+                                 AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__)      \
+                                 AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
+
+namespace qwenserve::cpu {
+namespace ggml {
+namespace {
+
+// ---------------------------------------------------------------------------------------------------------------
+// Activation rows
+
+template <typename T>
+void quantize_row(const T* x, int64_t K, ActQ8_0* y) {
+#if QS_X86_AVX512BW
+  x86::quantize_row_q8_0(x, K / 32, y);
+#else
+  ref::quantize_row_q8_0(x, K / 32, y);
+#endif
+}
+template <typename T>
+void quantize_row(const T* x, int64_t K, ActQ8_K* y) { ref::quantize_row_q8_K(x, K / 256, y); }
+
+// x [M, K] -> `levels` quantized rows per row, one after the other. Level 2 quantizes what the first row's codes
+// left (x - d q, in float32), so that the pair's two dot products together see about 15 bits of each activation
+// instead of 8 (one int8 code's error is up to half a step of max |x| / 127 in its block; the second's, 1/254 of
+// that).
+template <typename T, typename Act>
+void quantize_rows(const T* x, int64_t M, int64_t K, int64_t levels, Act* y) {
+  constexpr int64_t kElems = std::is_same_v<Act, ActQ8_0> ? 32 : 256;
+  const int64_t nb = K / kElems;
+  at::parallel_for(0, M, kElems == 32 ? 16 : 4, [&](int64_t m0, int64_t m1) {
+    std::vector<float> rest(levels == 2 ? static_cast<size_t>(K) : 0);
+    for (int64_t m = m0; m < m1; ++m) {
+      Act* codes = y + m * levels * nb;
+      quantize_row(x + m * K, K, codes);
+      if (levels == 1) continue;
+      load_float(rest.data(), x + m * K, K);
+      for (int64_t b = 0; b < nb; ++b)
+        for (int64_t j = 0; j < kElems; ++j) rest[b * kElems + j] -= codes[b].d * static_cast<float>(codes[b].qs[j]);
+      quantize_row(rest.data(), K, codes + nb);
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Weight rows against activation rows
+
+// One weight row against R activation rows
+template <typename Kernel, int R>
+inline void dot_rows(const uint8_t* w, int64_t bstride, int64_t nb, const typename Kernel::Act* const* y,
+                     float* res) {
+#if QS_X86_AVX2
+  x86::dot_rows<Kernel, R>(w, bstride, nb, y, res);
+#else
+  ref::dot_rows<Kernel, R>(w, bstride, nb, y, res);
+#endif
+}
+
+#if QS_X86_AVX2
+// One group of 8 weight rows in the decode layout against R activation rows: the widest kernel this build has.
+template <typename Kernel, int R>
+void decode_group(const uint8_t* w, int64_t nb, const typename Kernel::Act* const* y, float (*res)[8]) {
+#if QS_X86_AVX512BW
+  if constexpr (x86::kWide512<Kernel>) {
+    x86::dot8_legacy512<Kernel, R>(w, nb, y, res);
+    return;
+  }
+#endif
+  x86::dot8<Kernel, R>(w, nb, y, res);
+}
+#endif
+
+// out[M / levels, N] from M quantized activation rows (act: M * nb blocks, `levels` rows per output row), by
+// whichever kernel suits M and the layout. Every pass below covers an even number of rows from an even one.
+template <typename Kernel, typename T>
+void mm_quantized(T* out, int64_t ldo, int64_t levels, const std::vector<typename Kernel::Act>& act, int64_t M,
+                  int64_t nb, const Layout& w, int64_t N, const float* bias) {
+  using Act = typename Kernel::Act;
+  const int64_t bstride = w.block_stride();
+#if QS_X86_AVX512_VNNI
+  if constexpr (x86::kTiles<Kernel>) {
+    if (w.group == kDecodeGroup && M >= x86::kTile16MinRows && N % 16 == 0) {
+      x86::mm_tiles16<Kernel>(out, ldo, levels, act.data(), M, nb, w, N, bias);
+      return;
+    }
+    if (w.group == kDecodeGroup && M >= x86::kTileMinRows) {
+      x86::mm_tiles<Kernel>(out, ldo, levels, act.data(), M, nb, w, N, bias);
+      return;
+    }
+  }
+#endif
+#if QS_X86_AVX2
+  if (w.group == kDecodeGroup) {  // a group of 8 weight rows at a time, against up to 4 activation rows
+    at::parallel_for(0, N / 8, 2, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g)
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+          const int r = static_cast<int>(std::min<int64_t>(4, M - m0));
+          const Act* y[4];
+          for (int i = 0; i < r; ++i) y[i] = act.data() + (m0 + i) * nb;
+          float res[4][8];
+          switch (r) {
+            case 4: decode_group<Kernel, 4>(w.row(8 * g), nb, y, res); break;
+            case 3: decode_group<Kernel, 3>(w.row(8 * g), nb, y, res); break;
+            case 2: decode_group<Kernel, 2>(w.row(8 * g), nb, y, res); break;
+            default: decode_group<Kernel, 1>(w.row(8 * g), nb, y, res); break;
+          }
+          store_rows<8>(out, ldo, levels, m0, r, 8 * g, res[0], bias);
+        }
+    });
+    return;
+  }
+#endif
+  constexpr int64_t kTile = 16;  // weight rows that share one pass over a group of 4 activation rows
+  at::parallel_for(0, N, kTile, [&](int64_t n0, int64_t n1) {
+    for (int64_t t0 = n0; t0 < n1; t0 += kTile) {
+      const int64_t t1 = std::min(n1, t0 + kTile);
+      for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        const int r = static_cast<int>(std::min<int64_t>(4, M - m0));
+        const Act* y[4];
+        for (int i = 0; i < r; ++i) y[i] = act.data() + (m0 + i) * nb;
+        for (int64_t n = t0; n < t1; ++n) {
+          const uint8_t* wr = w.row(n);
+          float res[4];
+          switch (r) {
+            case 4: dot_rows<Kernel, 4>(wr, bstride, nb, y, res); break;
+            case 3: dot_rows<Kernel, 3>(wr, bstride, nb, y, res); break;
+            case 2: dot_rows<Kernel, 2>(wr, bstride, nb, y, res); break;
+            default: dot_rows<Kernel, 1>(wr, bstride, nb, y, res); break;
+          }
+          store_rows<1>(out, ldo, levels, m0, r, n, res, bias);
+        }
+      }
+    }
+  });
+}
+
+template <typename Kernel, typename T>
+void mm_impl(T* out, int64_t ldo, const T* x, int64_t M, int64_t K, const Layout& w, int64_t N, const float* bias,
+             int64_t act_levels) {
+  const int64_t nb = K / Kernel::kBlock;
+  // act_levels 2: each row's remainder runs as one more activation row beside it, through the same kernels (the
+  // weights are decoded once for both), and the stores sum the pair
+  std::vector<typename Kernel::Act> act(static_cast<size_t>(act_levels * M * nb));
+  quantize_rows(x, M, K, act_levels, act.data());
+  mm_quantized<Kernel>(out, ldo, act_levels, act, act_levels * M, nb, w, N, bias);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Dequantizing
+
+template <typename T>
+void dequantize_impl(const Layout& w, int64_t type, int64_t rows, int64_t cols, T* out) {
+  const BlockInfo bi = block_info(type);
+  const int64_t nb = cols / bi.elems;
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / cols), [&](int64_t r0, int64_t r1) {
+    [[maybe_unused]] float buf[256];  // the reference's block
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t b = 0; b < nb; ++b) {
+        T* o = out + r * cols + b * bi.elems;
+        const uint8_t* blk = w.row(r) + b * w.block_stride();
+#if QS_X86_AVX2
+        x86::dequantize_block(type, blk, o);
+#else
+        if constexpr (std::is_same_v<T, float>) {
+          ref::dequantize_block(type, blk, o);
+        } else {
+          ref::dequantize_block(type, blk, buf);
+          for (int64_t j = 0; j < bi.elems; ++j) o[j] = from_float<T>(buf[j]);
+        }
+#endif
+      }
+  });
+}
+
+// raw's layout, checked against the type, the columns and (when given) the rows
+Layout checked_layout(const at::Tensor& raw, int64_t type, int64_t cols, int64_t rows_expected, int64_t group) {
+  TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == at::kByte && raw.dim() == 2,
+              "ggml: raw must be a 2-D uint8 CPU tensor [rows, row_bytes]");
+  TORCH_CHECK(raw.stride(1) == 1 || raw.size(1) <= 1, "ggml: raw rows must be contiguous");
+  const BlockInfo bi = block_info(type);
+  TORCH_CHECK(cols > 0 && cols % bi.elems == 0, "ggml type ", type, ": cols (", cols, ") must be a multiple of ",
+              bi.elems);
+  TORCH_CHECK(raw.size(1) == cols / bi.elems * bi.bytes, "ggml type ", type, ": ", cols, " columns take ",
+              cols / bi.elems * bi.bytes, " bytes a row, raw has ", raw.size(1));
+  if (rows_expected >= 0) TORCH_CHECK(raw.size(0) == rows_expected, "ggml_mm: raw has ", raw.size(0),
+                                      " rows, out has ", rows_expected, " columns");
+  TORCH_CHECK(group == 1 || group == kDecodeGroup, "ggml: rows are grouped by 1 or ", kDecodeGroup, ", not ", group);
+  TORCH_CHECK(group == 1 || (raw.is_contiguous() && raw.size(0) % group == 0), "ggml: rows grouped by ", group,
+              " need a contiguous raw with a multiple of ", group, " rows (it has ", raw.size(0), ")");
+  return {raw.data_ptr<uint8_t>(), raw.stride(0), group, bi.bytes};
+}
+
+}  // namespace
+}  // namespace ggml
+
+// raw: uint8 [rows, cols / block_elems * block_bytes], rows grouped by `group` (see Layout) -> [rows, cols] in
+// dtype (float32, bfloat16, float16)
+at::Tensor ggml_dequantize(const at::Tensor& raw, int64_t ggml_type, int64_t cols, at::ScalarType dtype,
+                           int64_t group) {
+  const ggml::Layout w = ggml::checked_layout(raw, ggml_type, cols, -1, group);
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "ggml_dequantize: dtype must be float32, bfloat16 or float16");
+  const int64_t rows = raw.size(0);
+  at::Tensor out = at::empty({rows, cols}, raw.options().dtype(dtype));
+  if (rows == 0) return out;
+  QS_GGML_DISPATCH_DTYPES(dtype, "ggml_dequantize", [&] {
+    ggml::dequantize_impl<scalar_t>(w, ggml_type, rows, cols, out.data_ptr<scalar_t>());
+  });
+  return out;
+}
+
+// out[M, N] = x[M, K] @ dequant(raw[N, ...])^T (+ bias[N]) with x quantized to q8_0 / q8_K per row (see the top of
+// the file). out's rows may be strided (a column slice of a wider output); x contiguous in float32, bfloat16 or
+// float16; bias contiguous float32, added before the one rounding to out's dtype (saves a separate add per call).
+void ggml_mm(at::Tensor& out, const at::Tensor& x, const at::Tensor& raw, int64_t ggml_type, int64_t group,
+             const std::optional<at::Tensor>& bias, int64_t act_levels) {
+  using namespace ggml;
+  TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu(), "ggml_mm: CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.is_contiguous(), "ggml_mm: x must be a contiguous [M, K] matrix");
+  TORCH_CHECK(out.size(0) == x.size(0) && (out.stride(1) == 1 || out.size(1) <= 1),
+              "ggml_mm: out must be [M, N] with contiguous rows");
+  TORCH_CHECK(out.scalar_type() == x.scalar_type(), "ggml_mm: out and x must have the same dtype");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+              "ggml_mm: x must be float32, bfloat16 or float16");
+  TORCH_CHECK(act_levels == 1 || act_levels == 2, "ggml_mm: act_levels must be 1 or 2, not ", act_levels);
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
+  const Layout w = checked_layout(raw, ggml_type, K, N, group);
+  if (M == 0 || N == 0) return;
+  const int64_t ldo = out.stride(0);
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+                "ggml_mm: bias must be a contiguous float32 vector of ", N, " (out's columns)");
+    bp = bias->data_ptr<float>();
+  }
+  QS_GGML_DISPATCH_DTYPES(x.scalar_type(), "ggml_mm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    switch (ggml_type) {
+      case kQ4_0: mm_impl<LegacyUnsigned<kQ4_0>>(op, ldo, xp, M, K, w, N, bp, act_levels); break;
+      case kQ4_1: mm_impl<LegacyUnsigned<kQ4_1>>(op, ldo, xp, M, K, w, N, bp, act_levels); break;
+      case kQ5_0: mm_impl<LegacyUnsigned<kQ5_0>>(op, ldo, xp, M, K, w, N, bp, act_levels); break;
+      case kQ8_0: mm_impl<Q8_0Kernel>(op, ldo, xp, M, K, w, N, bp, act_levels); break;
+      case kQ4_K: mm_impl<KQuant45<kQ4_K>>(op, ldo, xp, M, K, w, N, bp, act_levels); break;
+      case kQ5_K: mm_impl<KQuant45<kQ5_K>>(op, ldo, xp, M, K, w, N, bp, act_levels); break;
+      case kQ6_K: mm_impl<Q6_KKernel>(op, ldo, xp, M, K, w, N, bp, act_levels); break;
+      default: break;  // checked_layout rejected it
+    }
+  });
+}
+
+bool ggml_mm_tiles(int64_t ggml_type) {
+  using namespace ggml;
+  switch (ggml_type) {
+    case kQ4_0: case kQ4_1: case kQ5_0: case kQ8_0: case kQ4_K: case kQ5_K: case kQ6_K: return QS_X86_AVX512_VNNI;
+    default: return false;
+  }
+}
+
+}  // namespace qwenserve::cpu
