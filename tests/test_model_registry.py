@@ -140,6 +140,7 @@ def test_engine_runs_the_registered_toy_as_its_own_forward(toy_dir, toy_referenc
     assert greedy(llm, prompt, len(expected)) == expected
 
 
+@pytest.mark.multiproc
 def test_worker_processes_run_the_toy_registered_here(toy_dir, toy_reference):
     """The class travels to spawned workers inside the resolved config; tensor parallel splits its heads."""
     prompt, expected = toy_reference
