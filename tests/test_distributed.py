@@ -17,10 +17,12 @@ from safetensors.torch import load_file, save_file
 from qwenserve import LLM, SamplingParams
 from qwenserve.config.errors import ConfigError
 from qwenserve.config.model_config import ModelConfig
+from qwenserve.distributed.groups import free_port
+from qwenserve.distributed.partition import balanced_partition
+from qwenserve.distributed.pipeline import PipelineParallel
 from qwenserve.executor.abstract import ExecutorDeadError
 from qwenserve.executor.shm_queue import ShmQueue
 from qwenserve.model.models.qwen2 import Qwen2ForCausalLM
-from qwenserve.model.parallel import PipelineParallel, balanced_partition, free_port
 
 from helpers import (
     generate_until_killed,
@@ -222,7 +224,7 @@ def test_server_answers_5xx_and_turns_unhealthy_when_a_worker_dies(parallel_tiny
 
 
 def _shm_rank(rank, world, port, out):
-    from qwenserve.model.parallel import init_model_parallel
+    from qwenserve.distributed.groups import init_model_parallel
     tp, _ = init_model_parallel(rank, world, 1, f"tcp://127.0.0.1:{port}", "gloo", shm_name=f"qwenserve-test-{port}")
     assert tp.shm is not None
     results = []

@@ -12,6 +12,7 @@ PACKAGE = Path(qwenserve.__file__).parent
 LAYERS = [
     ("config",),
     ("kernels",),
+    ("distributed",),  # process groups and collectives: what the model layers call, not the model
     ("model",),
     ("sample",),
     ("core",),

@@ -14,9 +14,9 @@ import pytest
 
 from qwenserve import LLM, SamplingParams
 from qwenserve.config.errors import ConfigError
+from qwenserve.distributed.groups import free_port
 from qwenserve.executor.abstract import ExecutorDeadError
 from qwenserve.executor.ray_executor import CPUS_PER_WORKER_ENV
-from qwenserve.model.parallel import free_port
 
 from helpers import PROMPTS, generate_until_killed, greedy_tokens, pid_alive, pids_gone
 

@@ -12,12 +12,13 @@ from torch import nn
 
 from qwenserve.config.errors import ConfigError
 from qwenserve.config.model_config import resolve_dtype
+from qwenserve.distributed.pipeline import PipelineParallel
+from qwenserve.distributed.tensor_parallel import TensorParallel
 from qwenserve.kernels import cpu_ops_for
 from qwenserve.model.layers.quantization import QUANTIZATIONS, QuantizationScheme, quantization_scheme
 from qwenserve.model.loader.checkpoint import Checkpoint, open_checkpoint
 from qwenserve.model.loader.ggml_tensor import GGMLTensor
 from qwenserve.model.models.qwen2 import Qwen2ForCausalLM
-from qwenserve.model.parallel import PipelineParallel, TensorParallel
 
 logger = logging.getLogger(__name__)
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
