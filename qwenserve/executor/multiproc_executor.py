@@ -37,7 +37,7 @@ from qwenserve.worker.cpu_tuning import bind_to_cpus, cpu_sets_for_ranks
 from qwenserve.worker.worker import init_rank_worker
 
 logger = logging.getLogger(__name__)
-THIS_HOST = "this host"  # every rank's machine, for the base's per-host arithmetic
+THIS_HOST = "this host"  # the machine of every rank (DistributedExecutor counts the ranks that share one)
 STOP_SECONDS = 5.0  # how long shutdown waits for a worker to leave by itself before killing it
 
 
@@ -130,7 +130,8 @@ class MultiprocExecutor(DistributedExecutor):
         if self._dead is None:
             dead = [rank for rank, proc in enumerate(self._procs) if not proc.is_alive()]
             if dead:
-                dead.sort(key=lambda rank: self._procs[rank].exitcode >= 0)  # a killed one (by a signal) first
+                # a killed one (negative exit code: a signal) first, as it is the likelier cause
+                dead.sort(key=lambda rank: self._procs[rank].exitcode >= 0)
                 self._fail([f"worker rank {rank} (pid {self._procs[rank].pid}) exited with code "
                             f"{self._procs[rank].exitcode}{self._failure_of(rank)}" for rank in dead])
         self._raise_if_dead()

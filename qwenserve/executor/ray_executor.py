@@ -5,10 +5,10 @@ the one started on this machine, else starts a local one: ray.init's own choice)
 One actor per rank (tensor x pipeline parallel, ranks numbered as in the mp executor), placed by a placement
 group of one bundle per rank (PACK: as few machines as possible; ray_cpus_per_worker CPUs each, or a GPU each
 on CUDA). The ranks join torch.distributed at rank 0's address. Settings reach the actors inside the pickled
-EngineConfig, not through their environment (Ray starts them with the raylet's). Each step's SchedulerOutput goes into
-Ray's object store once and every actor runs it; the last stage's first rank returns the sampled tokens. An
-actor runs its calls in order, so with pipeline parallel the first stage takes step k+1 while the last still
-runs step k.
+EngineConfig, not through their environment (Ray starts them with the raylet's). Each step's SchedulerOutput
+goes into Ray's object store once and every actor runs it; the last stage's first rank returns the sampled
+tokens. An actor runs its calls in order, so with pipeline parallel the first stage takes step k+1 while the
+last still runs step k.
 
 Failure and exit: an actor that dies or raises fails its step's object ref; the engine polls all of a step's refs
 while it waits, so the error surfaces within half a second, and the other actors are killed (they may be
