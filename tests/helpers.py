@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from qwenserve import SamplingParams
-from qwenserve.model.parallel import free_port
+from qwenserve.distributed.groups import free_port
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"

@@ -7,8 +7,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from qwenserve.config.model_config import ConfigError, ModelConfig, resolve_dtype
+from qwenserve.distributed.layout import check_head_split, shard_kv_heads
+from qwenserve.distributed.tensor_parallel import TensorParallel
 from qwenserve.model.loader.model_loader import LoadedModel, WeightLoadError
-from qwenserve.model.parallel import TensorParallel, check_head_split, shard_kv_heads
 
 from helpers import save_hf_dir, tiny_hf_model
 

@@ -1,6 +1,8 @@
 """The engine over worker processes (tensor and pipeline parallel, `mp` executor): the same greedy tokens as
 one process and as HF transformers; pipeline steps in flight; a dead worker fails requests instead of
 hanging; no worker outlives the engine, even one killed with SIGKILL."""
+import argparse
+import logging
 import multiprocessing
 import os
 import queue
@@ -16,12 +18,17 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from qwenserve import LLM, SamplingParams
+from qwenserve.config.engine_config import EngineConfig
 from qwenserve.config.errors import ConfigError
 from qwenserve.config.model_config import ModelConfig
+from qwenserve.distributed.groups import free_port
+from qwenserve.distributed.layout import check_parallel_layout
+from qwenserve.distributed.partition import balanced_partition
+from qwenserve.distributed.pipeline import PipelineParallel
 from qwenserve.executor.abstract import ExecutorDeadError
+from qwenserve.entrypoints.cli.engine_args import add_engine_args, engine_config_from_args
 from qwenserve.executor.shm_queue import ShmQueue
 from qwenserve.model.models.qwen2 import Qwen2ForCausalLM
-from qwenserve.model.parallel import PipelineParallel, balanced_partition, free_port
 
 from helpers import (
     generate_until_killed,
@@ -95,6 +102,56 @@ def test_layer_partition_balances_the_head():
         balanced_partition(2, 3)
     with pytest.raises(ValueError, match="does not give each"):
         PipelineParallel(0, 2, layer_partition=(4, 0)).layer_range(4)
+
+
+def test_layer_partition_and_ray_cpus_are_flags_and_keywords_validated():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    parallel = engine_config_from_args(parser.parse_args(
+        ["--pipeline-parallel-size", "2", "--pp-layer-partition", "14,10", "--ray-cpus-per-worker", "3"])).parallel
+    assert (parallel.pp_layer_partition, parallel.ray_cpus_per_worker) == ((14, 10), 3)
+    defaults = EngineConfig.from_kwargs().parallel
+    assert (defaults.pp_layer_partition, defaults.ray_cpus_per_worker) == (None, 1)
+    assert EngineConfig.from_kwargs(pipeline_parallel_size=2, pp_layer_partition=[3, 1]).parallel.pp_layer_partition \
+        == (3, 1)
+    for value, message in [("14;10", r"pp_layer_partition '14;10' is not a comma-separated list of layer counts"),
+                           ("14,0", r"pp_layer_partition '14,0' gives a stage no layers"),
+                           ("24", r"pp_layer_partition '24' gives 1 stages, but pipeline_parallel_size is 2"),
+                           (2.5, r"pp_layer_partition 2.5 is not a list of layer counts")]:
+        with pytest.raises(ConfigError, match=message):
+            EngineConfig.from_kwargs(pipeline_parallel_size=2, pp_layer_partition=value)
+    for value in (0, "two", True):
+        with pytest.raises(ConfigError, match=f"ray_cpus_per_worker must be a positive integer, got {value!r}"):
+            EngineConfig.from_kwargs(ray_cpus_per_worker=value)
+
+
+def test_layer_partition_reaches_every_stage(tmp_path, capfd):
+    """The partition travels to the workers in the config: each stage loads the layers it names, and a partition
+    that does not fit the model is refused before any worker starts."""
+    hf = tiny_hf_model(seed=63, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4)
+    path = save_hf_dir(hf, str(tmp_path / "m"))
+    expected = greedy_tokens(LLM(path, dtype="float32"), PROMPTS[:2])
+    qwenserve_logger = logging.getLogger("qwenserve")
+    level = qwenserve_logger.level
+    qwenserve_logger.setLevel(logging.INFO)  # the workers log at the engine's level
+    try:
+        llm = LLM(path, dtype="float32", pipeline_parallel_size=2, pp_layer_partition="3,1")
+    finally:
+        qwenserve_logger.setLevel(level)
+    try:
+        assert greedy_tokens(llm, PROMPTS[:2]) == expected
+    finally:
+        llm.engine.shutdown()
+    logs = capfd.readouterr().err
+    assert "pipeline stage 0 of 2: layers 0-2" in logs and "pipeline stage 1 of 2: layers 3-3" in logs, logs
+    config = ModelConfig.from_hf_dict(hf.config.to_dict())
+    with pytest.raises(ValueError, match=r"layer partition \[3, 2\] does not give each of 2 pipeline stages at least "
+                                         r"one of the model's 4 layers"):
+        check_parallel_layout(config, 1, 2, (3, 2))
+    with pytest.raises(ValueError, match=r"layer partition \[3, 2\]"):
+        LLM(path, dtype="float32", pipeline_parallel_size=2, pp_layer_partition="3,2")
+    with pytest.raises(ValueError, match=r"layer partition \[3\] does not give each of 1 pipeline stages"):
+        LLM(path, dtype="float32", pp_layer_partition="3")  # one stage in this process: checked all the same
 
 
 def test_bad_parallel_settings_are_named(parallel_tiny, monkeypatch):
@@ -233,7 +290,7 @@ def test_server_answers_5xx_and_turns_unhealthy_when_a_worker_dies(parallel_tiny
 
 
 def _shm_rank(rank, world, port, out):
-    from qwenserve.model.parallel import init_model_parallel
+    from qwenserve.distributed.groups import init_model_parallel
     tp, _ = init_model_parallel(rank, world, 1, f"tcp://127.0.0.1:{port}", "gloo", shm_name=f"qwenserve-test-{port}")
     assert tp.shm is not None
     results = []

@@ -16,7 +16,7 @@ PACKAGE = Path(qwenserve.__file__).parent
 LAYERS = [
     ("config",),
     ("kernels",),
-    ("distributed",),
+    ("distributed",),  # process groups and collectives: what the model layers call, not the model
     ("model",),
     ("sample",),
     ("core",),

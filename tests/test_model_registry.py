@@ -18,7 +18,8 @@ from qwenserve.model.layers.quantization import QuantizationScheme
 from qwenserve.model.loader.checkpoint import config_from_gguf
 from qwenserve.model.loader.model_loader import LoadedModel
 from qwenserve.model.models.qwen2 import Qwen2Attention, Qwen2ForCausalLM
-from qwenserve.model.parallel import PipelineParallel, TensorParallel
+from qwenserve.distributed.pipeline import PipelineParallel
+from qwenserve.distributed.tensor_parallel import TensorParallel
 from qwenserve.model.registry import MODEL_REGISTRY, ModelRegistry
 from qwenserve.worker.model_runner import full_logits
 

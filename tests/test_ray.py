@@ -14,9 +14,8 @@ import pytest
 
 from qwenserve import LLM, SamplingParams
 from qwenserve.config.errors import ConfigError
+from qwenserve.distributed.groups import free_port
 from qwenserve.executor.abstract import ExecutorDeadError
-from qwenserve.executor.ray_executor import CPUS_PER_WORKER_ENV
-from qwenserve.model.parallel import free_port
 
 from helpers import PROMPTS, generate_until_killed, greedy_tokens, pid_alive, pids_gone
 
@@ -69,11 +68,9 @@ def _pids(llm) -> list[int]:
 
 
 @pytest.mark.parametrize("tp,pp,cpus", [(2, 1, NODE_CPUS), (1, 2, NODE_CPUS), (2, 2, 1)])
-def test_greedy_tokens_across_two_nodes(ray_cluster, parallel_tiny, single_process_tokens, monkeypatch, tp, pp,
-                                        cpus):
+def test_greedy_tokens_across_two_nodes(ray_cluster, parallel_tiny, single_process_tokens, tp, pp, cpus):
     # bundles as large as a node force a 2-rank world across both nodes; 4 ranks of one CPU fill both
-    monkeypatch.setenv(CPUS_PER_WORKER_ENV, str(cpus))
-    llm = _ray_llm(parallel_tiny[1], tp, pp)
+    llm = _ray_llm(parallel_tiny[1], tp, pp, ray_cpus_per_worker=cpus)
     try:
         nodes = [node for node, _, _ in llm.engine.executor.rank_locations]
         assert len(set(nodes)) == 2, nodes
@@ -87,9 +84,9 @@ def test_greedy_tokens_across_two_nodes(ray_cluster, parallel_tiny, single_proce
     assert pids_gone(_pids(llm), timeout=15), "an actor outlived shutdown"
 
 
-def test_data_parallel_replicas_on_two_nodes(ray_cluster, parallel_tiny, single_process_tokens, monkeypatch):
-    monkeypatch.setenv(CPUS_PER_WORKER_ENV, str(NODE_CPUS))  # a replica fills a node: one on each
-    llm = _ray_llm(parallel_tiny[1], data_parallel_size=2)
+def test_data_parallel_replicas_on_two_nodes(ray_cluster, parallel_tiny, single_process_tokens):
+    # a replica fills a node: one on each
+    llm = _ray_llm(parallel_tiny[1], data_parallel_size=2, ray_cpus_per_worker=NODE_CPUS)
     replicas = llm.engine.replicas
     try:
         assert len({r.executor.rank_locations[0][0] for r in replicas}) == 2
@@ -100,15 +97,14 @@ def test_data_parallel_replicas_on_two_nodes(ray_cluster, parallel_tiny, single_
     assert pids_gone([pid for r in replicas for _, _, pid in r.executor.rank_locations], timeout=15)
 
 
-def test_a_cluster_too_small_is_named_at_once(ray_cluster, parallel_tiny, monkeypatch):
-    monkeypatch.setenv(CPUS_PER_WORKER_ENV, "3")
+def test_a_cluster_too_small_is_named_at_once(ray_cluster, parallel_tiny):
     started = time.time()
-    with pytest.raises(ConfigError, match=r"cannot hold 2 workers of \{'CPU': 3.0\} each: it has CPU 4 of 6"):
-        _ray_llm(parallel_tiny[1], tp=2)
+    with pytest.raises(ConfigError, match=r"cannot hold 2 workers of \{'CPU': 3.0\} each: it has CPU 4 of 6 needed "
+                                          r"\(add nodes, or lower ray_cpus_per_worker\)"):
+        _ray_llm(parallel_tiny[1], tp=2, ray_cpus_per_worker=3)
     assert time.time() - started < 10
-    monkeypatch.setenv(CPUS_PER_WORKER_ENV, "two")
-    with pytest.raises(ConfigError, match="QWENSERVE_RAY_CPUS_PER_WORKER='two'"):
-        _ray_llm(parallel_tiny[1], tp=2)
+    with pytest.raises(ConfigError, match="ray_cpus_per_worker must be a positive integer, got 'two'"):
+        _ray_llm(parallel_tiny[1], tp=2, ray_cpus_per_worker="two")
 
 
 def test_killed_actor_fails_requests_within_seconds(ray_cluster, parallel_tiny):

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from qwenserve.model.parallel import free_port
+from qwenserve.distributed.groups import free_port
 
 from helpers import save_gguf, save_hf_dir, tiny_hf_model
 
@@ -22,8 +22,8 @@ IDS = list(range(3, 40))
 def _rank_logits(rank: int, world: int, port: int, path: str, quantization: str, out):
     from qwenserve.config.engine_config import LoadConfig
     from qwenserve.model.loader.model_loader import load_model
+    from qwenserve.distributed.tensor_parallel import TensorParallel
     from qwenserve.model.loader.resolve import resolve_model
-    from qwenserve.model.parallel import TensorParallel
     from qwenserve.worker.model_runner import full_logits
 
     torch.set_num_threads(1)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from qwenserve.config.model_config import resolve_dtype
-from qwenserve.model.parallel import free_port, init_model_parallel
+from qwenserve.distributed.groups import free_port, init_model_parallel
 from qwenserve.worker.cpu_tuning import bind_to_cpus, cpu_sets_for_ranks
 
 SIZES = [1 << k for k in range(10, 25, 2)]  # 1 KiB .. 16 MiB

@@ -28,6 +28,30 @@ def parse_size(value: int | str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+def parse_layer_partition(value: str | tuple[int, ...] | list[int] | None,
+                          num_stages: int) -> tuple[int, ...] | None:
+    """Layers per pipeline stage from "14,10" or a sequence of ints; None or "" for the balanced split. Whether
+    the counts add up to the model's layers is checked once the model is known (distributed/layout.py)."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, str):
+        try:
+            counts = tuple(int(part) for part in value.split(","))
+        except ValueError:
+            raise ConfigError(f"pp_layer_partition {value!r} is not a comma-separated list of layer counts "
+                              f"(e.g. 14,10)") from None
+    elif isinstance(value, (tuple, list)) and all(isinstance(n, int) and not isinstance(n, bool) for n in value):
+        counts = tuple(value)
+    else:
+        raise ConfigError(f"pp_layer_partition {value!r} is not a list of layer counts (e.g. 14,10 or (14, 10))")
+    if min(counts, default=0) < 1:
+        raise ConfigError(f"pp_layer_partition {value!r} gives a stage no layers: every count must be at least 1")
+    if len(counts) != num_stages:
+        raise ConfigError(f"pp_layer_partition {value!r} gives {len(counts)} stages, but pipeline_parallel_size is "
+                          f"{num_stages}")
+    return counts
+
+
 def setting(default, help: str, **cli):
     """A field that is also a CLI flag; `cli` may give `type` (the flag's parser) or `hidden` (no flag)."""
     return field(default=default, metadata={"help": help, **cli})
@@ -106,13 +130,23 @@ class ParallelConfig:
         None, "how the worker processes are started: mp (spawned on this host) or ray (actors of the Ray cluster "
               "at RAY_ADDRESS, or a local one; pip install qwenserve[ray]); default: mp when there is more than "
               "one process")
+    pp_layer_partition: tuple[int, ...] | None = setting(
+        None, "decoder layers of each pipeline stage, comma-separated, e.g. 14,10 (default: balanced by the weights "
+              "each stage reads, so the last stage, which also runs the LM head, takes fewer)",
+        type=str, env="QWENSERVE_PP_LAYER_PARTITION")
+    ray_cpus_per_worker: int = setting(1, "CPUs each Ray worker reserves in the placement group and runs threads on "
+                                          "(ray backend on CPU) (default: %(default)s)",
+                                       type=int, env="QWENSERVE_RAY_CPUS_PER_WORKER")
 
     def __post_init__(self):
-        _check_positive(self, "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
+        _check_positive(self, "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
+                        "ray_cpus_per_worker")
         backend = self.distributed_executor_backend
         if backend is not None and backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
             raise ConfigError(f"distributed_executor_backend {backend!r} is not one of "
                               f"{', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}")
+        object.__setattr__(self, "pp_layer_partition",
+                           parse_layer_partition(self.pp_layer_partition, self.pipeline_parallel_size))
 
     @property
     def world_size(self) -> int:

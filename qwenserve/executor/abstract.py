@@ -1,8 +1,9 @@
 """The executor interface: how the engine runs the model, wherever the workers are. The engine submits each
 step's SchedulerOutput and collects ModelRunnerOutputs in the same order; it never sees a tensor. Up to
 `max_concurrent_batches` steps may be in flight at once (one per pipeline stage), so no stage waits for the
-engine between steps. Implementations: in the engine's process (uniproc_executor.py), worker processes on
-this host (multiproc_executor.py)."""
+engine between steps. Implementations: in the engine's process (uniproc_executor.py), and one process per rank
+(distributed_executor.py's base): worker processes on this host (multiproc_executor.py) or Ray actors across a
+cluster (ray_executor.py)."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod

@@ -24,14 +24,19 @@ import weakref
 
 from qwenserve.config.engine_config import EngineConfig
 from qwenserve.core.step import ModelRunnerOutput, SchedulerOutput
-from qwenserve.executor.abstract import Executor, ExecutorDeadError
+from qwenserve.distributed.groups import free_port
+from qwenserve.executor.distributed_executor import (
+    HEALTH_CHECK_SECONDS,
+    DistributedExecutor,
+    set_up_worker_logging,
+    worker_log_level,
+)
 from qwenserve.executor.shm_queue import ShmQueue
-from qwenserve.model.parallel import check_parallel_layout, free_port
 from qwenserve.worker.cpu_tuning import bind_to_cpus, cpu_sets_for_ranks
 from qwenserve.worker.worker import init_rank_worker
 
 logger = logging.getLogger(__name__)
-HEALTH_CHECK_SECONDS = 0.5  # how often a waiting engine looks for dead workers
+THIS_HOST = "this host"  # the machine of every rank (DistributedExecutor counts the ranks that share one)
 STOP_SECONDS = 5.0  # how long shutdown waits for a worker to leave by itself before killing it
 
 
@@ -39,31 +44,28 @@ class WorkerStartError(RuntimeError):
     """A worker process failed before it could serve (bad checkpoint, out of memory, ...)."""
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(DistributedExecutor):
     def __init__(self, config: EngineConfig, replica_rank: int = 0):
         """replica_rank: this engine's index among data_parallel_size replicas; its workers take that share of
         the CPUs."""
-        parallel = config.parallel
-        self.tp_size, self.pp_size = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
-        world = self.tp_size * self.pp_size
-        # here, rather than in every worker after it spawned
-        check_parallel_layout(config.resolved_model.config, self.tp_size, self.pp_size)
-        self.max_concurrent_batches = self.pp_size
-        self.output_rank = (self.pp_size - 1) * self.tp_size  # the last stage's first tensor rank
+        super().__init__(config)
+        world = self.world_size
         ctx = multiprocessing.get_context("spawn")
         self._steps = ShmQueue(ctx, num_readers=world)
         self._results = ShmQueue(ctx, num_readers=1)
         self._results_reader = self._results.reader(0)
-        init_method = f"tcp://127.0.0.1:{free_port()}"
-        self._dead: str | None = None
+        port = free_port()
+        init_method = f"tcp://127.0.0.1:{port}"
+        # every rank is on this host: tensor ranks may all-reduce through shared memory
+        shm_name = self._shm_all_reduce_name(port, [THIS_HOST] * world)
         self._procs, self._conns = [], []
-        cpu_sets = cpu_sets_for_ranks(world * parallel.data_parallel_size)[replica_rank * world:][:world]
+        cpu_sets = cpu_sets_for_ranks(world * config.parallel.data_parallel_size)[replica_rank * world:][:world]
         for rank, cpus in enumerate(cpu_sets):
             engine_end, worker_end = ctx.Pipe()
             proc = ctx.Process(
                 target=run_worker, name=f"qwenserve-worker-{rank}", daemon=True,
                 args=(rank, config, self._steps.reader(rank), self._results if rank == self.output_rank else None,
-                      worker_end, cpus, init_method, logging.getLogger("qwenserve").getEffectiveLevel()))
+                      worker_end, cpus, init_method, shm_name, worker_log_level()))
             with _main_module_hidden():
                 proc.start()
             worker_end.close()  # the worker holds the only other end: its EOF is the engine's exit
@@ -72,31 +74,25 @@ class MultiprocExecutor(Executor):
         self._finalizer = weakref.finalize(self, _stop_workers, self._procs, self._conns, self._steps,
                                            self._results)
         try:
-            # with "auto", this host's memory is shared by every replica's workers (a DataParallelEngine sizes
-            # the first replica so, then gives the others that size)
-            auto = config.cache.kv_cache_memory == "auto"
-            self.num_kv_blocks = self._wait_until_ready(world * (parallel.data_parallel_size if auto else 1))
+            for rank in range(world):
+                self._receive(rank, "loaded")
+            self.num_kv_blocks = self._agree_on_kv_blocks([THIS_HOST] * world)
         except BaseException:
             self.shutdown()
             raise
         logger.info("%d worker processes ready (tensor parallel %d x pipeline parallel %d, %s)", world,
                     self.tp_size, self.pp_size, init_method)
 
-    def _wait_until_ready(self, workers_sharing: int) -> int:
-        """Once every worker has loaded its part (so the memory left is what the KV caches may share), ask each
-        how many KV blocks it fits, then tell all the fewest; returns that."""
-        for rank in range(len(self._procs)):
-            self._receive(rank, "loaded")
-        for conn in self._conns:
-            conn.send(("fit", workers_sharing))
-        fitting = [self._receive(rank, "fits") for rank in range(len(self._procs))]
-        num_blocks = min(blocks for blocks, _ in fitting)
-        self.kv_cache_budget = min(budget for _, budget in fitting)
+    def _kv_blocks_that_fit(self, workers_sharing: list[int]) -> list[tuple[int, int]]:
+        for conn, sharing in zip(self._conns, workers_sharing):
+            conn.send(("fit", sharing))
+        return [tuple(self._receive(rank, "fits")) for rank in range(len(self._procs))]
+
+    def _init_kv_caches(self, num_blocks: int) -> None:
         for conn in self._conns:
             conn.send(("kv_blocks", num_blocks))
         for rank in range(len(self._procs)):
             self._receive(rank, "ready")
-        return num_blocks
 
     def _receive(self, rank: int, expected: str) -> list:
         """The payload of worker rank's next message, which must be `expected`; its error, raised here, if it
@@ -133,15 +129,11 @@ class MultiprocExecutor(Executor):
         if self._dead is None:
             dead = [rank for rank, proc in enumerate(self._procs) if not proc.is_alive()]
             if dead:
-                # one death often takes a peer with it (its collective breaks): name every dead rank, a killed one
-                # (negative exit code: a signal) first, as it is the likelier cause
+                # a killed one (negative exit code: a signal) first, as it is the likelier cause
                 dead.sort(key=lambda rank: self._procs[rank].exitcode >= 0)
-                self._dead = "; ".join(f"worker rank {rank} (pid {self._procs[rank].pid}) exited with code "
-                                       f"{self._procs[rank].exitcode}{self._failure_of(rank)}" for rank in dead)
-                logger.error("%s; stopping the other workers", self._dead)
-                self.shutdown()
-        if self._dead is not None:
-            raise ExecutorDeadError(self._dead)
+                self._fail([f"worker rank {rank} (pid {self._procs[rank].pid}) exited with code "
+                            f"{self._procs[rank].exitcode}{self._failure_of(rank)}" for rank in dead])
+        self._raise_if_dead()
 
     def _failure_of(self, rank: int) -> str:
         """': <the error it reported>' if the worker said why it stopped."""
@@ -154,11 +146,6 @@ class MultiprocExecutor(Executor):
         except (EOFError, OSError, ValueError):
             pass
         return ""
-
-    def shutdown(self) -> None:
-        if self._dead is None:
-            self._dead = "the executor was shut down"
-        self._finalizer()
 
 
 def _stop_workers(procs, conns, steps: ShmQueue, results: ShmQueue) -> None:
@@ -200,16 +187,15 @@ def _main_module_hidden():
 # ---- the worker process -----------------------------------------------------------------------------------
 
 def run_worker(rank: int, config: EngineConfig, steps: ShmQueue, results: ShmQueue | None, conn,
-               cpus: set[int] | None, init_method: str, log_level: int) -> None:
+               cpus: set[int] | None, init_method: str, shm_name: str | None, log_level: int) -> None:
     """Main of a worker process: join the others, load this rank's part of the model, then run steps until
     the engine says stop (None) or goes away."""
-    logging.basicConfig(level=log_level, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
+    set_up_worker_logging(rank, log_level)
     from_engine: queue.Queue = queue.Queue()
     threading.Thread(target=_watch_engine, args=(conn, from_engine), daemon=True, name="engine-watch").start()
     try:
         bind_to_cpus(cpus)
-        # every rank is on this host: tensor ranks may all-reduce through shared memory
-        worker = init_rank_worker(rank, config, init_method, f"qwenserve-allreduce-{init_method.rsplit(':', 1)[1]}")
+        worker = init_rank_worker(rank, config, init_method, shm_name)
         conn.send(("loaded",))
         _, workers_sharing = from_engine.get()
         conn.send(("fits", *worker.kv_blocks_that_fit(workers_sharing)))

@@ -1,13 +1,14 @@
 """The executor whose workers are Ray actors, so one model spans the machines of a Ray cluster (`ray start --head`
 on one, `ray start --address=HEAD:6379` on each other; the engine joins the cluster named by RAY_ADDRESS, else
-the one started on this machine, else starts a local one).
+the one started on this machine, else starts a local one: ray.init's own choice).
 
 One actor per rank (tensor x pipeline parallel, ranks numbered as in the mp executor), placed by a placement
-group of one bundle per rank (PACK: as few machines as possible; QWENSERVE_RAY_CPUS_PER_WORKER CPUs each, or a
-GPU each on CUDA). The ranks join torch.distributed at rank 0's address. Each step's SchedulerOutput goes into
-Ray's object store once and every actor runs it; the last stage's first rank returns the sampled tokens. An
-actor runs its calls in order, so with pipeline parallel the first stage takes step k+1 while the last still
-runs step k.
+group of one bundle per rank (PACK: as few machines as possible; ray_cpus_per_worker CPUs each, or a GPU each
+on CUDA). The ranks join torch.distributed at rank 0's address. Settings reach the actors inside the pickled
+EngineConfig, not through their environment (Ray starts them with the raylet's). Each step's SchedulerOutput
+goes into Ray's object store once and every actor runs it; the last stage's first rank returns the sampled
+tokens. An actor runs its calls in order, so with pipeline parallel the first stage takes step k+1 while the
+last still runs step k.
 
 Failure and exit: an actor that dies or raises fails its step's object ref; the engine polls all of a step's refs
 while it waits, so the error surfaces within half a second, and the other actors are killed (they may be
@@ -26,16 +27,18 @@ import torch
 from qwenserve.config.engine_config import EngineConfig
 from qwenserve.config.errors import ConfigError
 from qwenserve.core.step import ModelRunnerOutput, SchedulerOutput
-from qwenserve.executor.abstract import Executor, ExecutorDeadError
-from qwenserve.model.parallel import check_parallel_layout, free_port
+from qwenserve.distributed.groups import free_port
+from qwenserve.executor.abstract import ExecutorDeadError
+from qwenserve.executor.distributed_executor import (
+    HEALTH_CHECK_SECONDS,
+    DistributedExecutor,
+    set_up_worker_logging,
+    worker_log_level,
+)
 from qwenserve.worker.worker import Worker, init_rank_worker
 
 logger = logging.getLogger(__name__)
-HEALTH_CHECK_SECONDS = 0.5  # how often a waiting engine looks at the other actors' refs for a failure
 PLACEMENT_TIMEOUT_SECONDS = 60.0  # how long to wait for the cluster to find room for every worker
-CPUS_PER_WORKER_ENV = "QWENSERVE_RAY_CPUS_PER_WORKER"
-FORWARDED_ENV_PREFIX = "QWENSERVE_"  # settings read in the workers (layer partition, kernels): Ray starts
-# actors with the raylet's environment, not the engine's
 
 
 def import_ray():
@@ -50,7 +53,7 @@ class RayWorker:
     """One rank, as a Ray actor (RayExecutor wraps the class with ray.remote)."""
 
     def __init__(self, rank: int, config: EngineConfig, log_level: int, num_threads: int):
-        logging.basicConfig(level=log_level, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
+        set_up_worker_logging(rank, log_level)
         if config.load.device == "cpu":
             torch.set_num_threads(num_threads)
         self.rank, self.config = rank, config
@@ -79,40 +82,32 @@ class RayWorker:
         return self.worker.execute_model(scheduler_output)
 
 
-class RayExecutor(Executor):
+class RayExecutor(DistributedExecutor):
     def __init__(self, config: EngineConfig):
         ray = import_ray()
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        parallel = config.parallel
-        self.config = config
-        self.tp_size, self.pp_size = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
-        world = self.tp_size * self.pp_size
-        check_parallel_layout(config.resolved_model.config, self.tp_size, self.pp_size)
-        self.max_concurrent_batches = self.pp_size
-        self.output_rank = (self.pp_size - 1) * self.tp_size
-        self._dead: str | None = None
+        super().__init__(config)
+        world = self.world_size
         self._in_flight: deque[list] = deque()  # each submitted step's object refs, one per rank
         if not ray.is_initialized():
-            ray.init(address=os.environ.get("RAY_ADDRESS"), logging_level=logging.WARNING)
+            ray.init(logging_level=logging.WARNING)  # the cluster at RAY_ADDRESS, else this machine's, else a new one
 
         cuda = torch.device(config.load.device).type == "cuda"
-        cpus = _cpus_per_worker()
+        cpus = config.parallel.ray_cpus_per_worker
         bundle = {"GPU": 1.0} if cuda else {"CPU": float(cpus)}
         self._placement = placement_group([bundle] * world, strategy="PACK")
         self._actors: list = []
         self._finalizer = weakref.finalize(self, _release, self._actors, self._placement)
         try:
             self._wait_for_placement(ray, bundle, world)
-            env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIX)}
             actor_class = ray.remote(RayWorker)
             for rank in range(world):
                 self._actors.append(actor_class.options(
                     num_cpus=0 if cuda else cpus, num_gpus=1 if cuda else 0, name=None,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(self._placement, rank),
-                    runtime_env={"env_vars": env} if env else None,
-                ).remote(rank, config, logging.getLogger("qwenserve").getEffectiveLevel(), cpus))
+                ).remote(rank, config, worker_log_level(), cpus))
             self.rank_locations = self._wait_all([a.where.remote() for a in self._actors], starting=True)
             self.num_kv_blocks = self._start_workers()
         except BaseException:
@@ -126,14 +121,14 @@ class RayExecutor(Executor):
         short = {k: f"{total.get(k, 0):g} of {v * world:g}" for k, v in bundle.items() if total.get(k, 0) < v * world}
         if short:
             raise ConfigError(f"the Ray cluster cannot hold {world} workers of {bundle} each: it has "
-                              f"{', '.join(f'{k} {n}' for k, n in short.items())} needed (add nodes, or set "
-                              f"{CPUS_PER_WORKER_ENV})")
+                              f"{', '.join(f'{k} {n}' for k, n in short.items())} needed (add nodes, or lower "
+                              f"ray_cpus_per_worker)")
         try:
             ray.get(self._placement.ready(), timeout=PLACEMENT_TIMEOUT_SECONDS)
         except ray.exceptions.GetTimeoutError:
             raise ConfigError(f"the Ray cluster has no room for {world} workers of {bundle} each within "
                               f"{PLACEMENT_TIMEOUT_SECONDS:.0f} s; it has {ray.available_resources()} free "
-                              f"(set {CPUS_PER_WORKER_ENV} or add nodes)") from None
+                              f"(lower ray_cpus_per_worker or add nodes)") from None
 
     def _start_workers(self) -> int:
         """Join the ranks at rank 0's address, load, and agree on the fewest KV blocks any rank fits."""
@@ -141,19 +136,16 @@ class RayExecutor(Executor):
         port = ray.get(self._actors[0].free_port.remote())
         init_method = f"tcp://{self.rank_locations[0][1]}:{port}"
         nodes = [node for node, _, _ in self.rank_locations]
-        # shared-memory all-reduce only where each stage's tensor ranks are on one machine
-        one_host_per_stage = all(len(set(nodes[s * self.tp_size:(s + 1) * self.tp_size])) == 1
-                                 for s in range(self.pp_size))
-        shm_name = f"qwenserve-allreduce-{port}" if one_host_per_stage else None
+        shm_name = self._shm_all_reduce_name(port, nodes)
         self._wait_all([a.load.remote(init_method, shm_name) for a in self._actors], starting=True)
-        # with "auto", a machine's memory is shared by the ranks on it (and by other replicas' as many)
-        replicas = self.config.parallel.data_parallel_size if self.config.cache.kv_cache_memory == "auto" else 1
-        fitting = self._wait_all([a.kv_blocks_that_fit.remote(nodes.count(node) * replicas)
-                                  for a, node in zip(self._actors, nodes)], starting=True)
-        num_blocks = min(blocks for blocks, _ in fitting)
-        self.kv_cache_budget = min(budget for _, budget in fitting)
+        return self._agree_on_kv_blocks(nodes)
+
+    def _kv_blocks_that_fit(self, workers_sharing: list[int]) -> list[tuple[int, int]]:
+        return self._wait_all([a.kv_blocks_that_fit.remote(sharing)
+                               for a, sharing in zip(self._actors, workers_sharing)], starting=True)
+
+    def _init_kv_caches(self, num_blocks: int) -> None:
         self._wait_all([a.init_kv_cache.remote(num_blocks) for a in self._actors], starting=True)
-        return num_blocks
 
     def _wait_all(self, refs: list, starting: bool = False) -> list:
         """The results of refs (one per rank), polling all of them so that a failed rank is noticed while the
@@ -182,9 +174,7 @@ class RayExecutor(Executor):
             settle(ray.wait(pending, num_returns=len(pending), timeout=HEALTH_CHECK_SECONDS)[0])
         failed = sorted(errors.items(), key=lambda item: (not isinstance(item[1], ray.exceptions.RayActorError),
                                                           item[0]))
-        self._dead = "; ".join(f"worker rank {rank} (Ray actor) failed: {_describe(e)}" for rank, e in failed)
-        logger.error("%s; stopping the other workers", self._dead)
-        self.shutdown(reason=self._dead)
+        self._fail([f"worker rank {rank} (Ray actor) failed: {_describe(e)}" for rank, e in failed])
         cause = getattr(failed[0][1], "cause", None)
         if starting and isinstance(cause, Exception):
             raise cause from None
@@ -192,33 +182,19 @@ class RayExecutor(Executor):
 
     def submit(self, scheduler_output: SchedulerOutput) -> None:
         import ray
-        if self._dead is not None:
-            raise ExecutorDeadError(self._dead)
+        self._raise_if_dead()
         step = ray.put(scheduler_output)  # serialized once, read by every actor
         self._in_flight.append([a.execute_model.remote(step) for a in self._actors])
 
     def collect(self) -> ModelRunnerOutput:
-        if self._dead is not None:
-            raise ExecutorDeadError(self._dead)
+        self._raise_if_dead()
         return self._wait_all(self._in_flight.popleft())[self.output_rank]
-
-    def shutdown(self, reason: str = "the executor was shut down") -> None:
-        if self._dead is None:
-            self._dead = reason
-        self._finalizer()
 
 
 def _describe(error) -> str:
     """A Ray error as its cause (an actor's exception) or its first line (a dead actor)."""
     cause = getattr(error, "cause", None)
     return f"{type(cause).__name__}: {cause}" if cause is not None else str(error).splitlines()[0]
-
-
-def _cpus_per_worker() -> int:
-    text = os.environ.get(CPUS_PER_WORKER_ENV, "1")
-    if not text.isdigit() or int(text) < 1:
-        raise ConfigError(f"{CPUS_PER_WORKER_ENV}={text!r} is not a positive number of CPUs")
-    return int(text)
 
 
 def _release(actors: list, placement) -> None:

@@ -15,8 +15,8 @@ from typing import ClassVar, Protocol, runtime_checkable
 
 import torch
 
+from qwenserve.distributed.pipeline import PipelineParallel
 from qwenserve.model.layers.attention import AttentionMetadata
-from qwenserve.model.parallel import PipelineParallel
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,11 @@ from qwenserve.config.engine_config import EngineConfig
 from qwenserve.config.errors import ConfigError
 from qwenserve.config.model_config import resolve_kv_cache_dtype
 from qwenserve.core.step import ModelRunnerOutput, SchedulerOutput
+from qwenserve.distributed.groups import init_model_parallel
+from qwenserve.distributed.pipeline import PipelineParallel
+from qwenserve.distributed.tensor_parallel import TensorParallel
 from qwenserve.model.layers.attention import PagedKVCache
 from qwenserve.model.loader.model_loader import load_model
-from qwenserve.model.parallel import PipelineParallel, TensorParallel, init_model_parallel
 from qwenserve.worker.cpu_tuning import keep_large_allocations_in_heap
 from qwenserve.worker.memory import kv_cache_budget
 from qwenserve.worker.model_runner import ModelRunner
@@ -27,11 +29,15 @@ class Worker:
     for all)."""
 
     def __init__(self, config: EngineConfig, tp: TensorParallel = TensorParallel(),
-                 pp: PipelineParallel = PipelineParallel()):
-        """config: the engine's, with its resolved_model (what to load)."""
+                 pp: PipelineParallel | None = None):
+        """config: the engine's, with its resolved_model (what to load). pp: this rank's pipeline stage; None: the
+        only stage, holding pp_layer_partition's one count (checked against the model's layers as any stage's
+        are)."""
         resolved = config.resolved_model
         if resolved is None:
             raise ValueError("a worker needs the EngineConfig its engine resolved (resolved_model is None)")
+        if pp is None:
+            pp = PipelineParallel(layer_partition=config.parallel.pp_layer_partition)
         self.config = config
         self.device = torch.device(config.load.device)
         if self.device.type == "cpu":
@@ -89,5 +95,5 @@ def init_rank_worker(rank: int, config: EngineConfig, init_method: str, shm_name
         device = torch.device("cuda", torch.cuda.current_device())
         config = dataclasses.replace(config, load=dataclasses.replace(config.load, device=str(device)))
     tp, pp = init_model_parallel(rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size, init_method,
-                                 "nccl" if device.type == "cuda" else "gloo", shm_name)
+                                 "nccl" if device.type == "cuda" else "gloo", shm_name, parallel.pp_layer_partition)
     return Worker(config, tp, pp)

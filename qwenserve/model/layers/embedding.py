@@ -5,10 +5,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qwenserve.distributed.tensor_parallel import TensorParallel
 from qwenserve.kernels import cpu_ops_for
 from qwenserve.model.layers.linear import LinearMethod, UnquantizedLinearMethod
 from qwenserve.model.loader.ggml_tensor import GGMLTensor
-from qwenserve.model.parallel import TensorParallel
 
 
 class VocabParallelEmbedding(nn.Module):

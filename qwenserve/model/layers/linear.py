@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qwenserve.model.parallel import TensorParallel, shard_kv_heads
+from qwenserve.distributed.layout import shard_kv_heads
+from qwenserve.distributed.tensor_parallel import TensorParallel
 
 
 class LinearMethod:

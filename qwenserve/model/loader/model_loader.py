@@ -11,13 +11,14 @@ from torch import nn
 
 from qwenserve.config.engine_config import LoadConfig
 from qwenserve.config.resolved_model import ResolvedModel
+from qwenserve.distributed.pipeline import PipelineParallel
+from qwenserve.distributed.tensor_parallel import TensorParallel
 from qwenserve.kernels import cpu_ops_for
 from qwenserve.model.interface import CausalLM
 from qwenserve.model.layers.quantization import quantization_scheme
 from qwenserve.model.loader.checkpoint import reopen_checkpoint
 from qwenserve.model.loader.ggml_tensor import GGMLTensor
 from qwenserve.model.loader.resolve import load_tokenizer, resolve_model
-from qwenserve.model.parallel import PipelineParallel, TensorParallel
 
 logger = logging.getLogger(__name__)
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

@@ -16,6 +16,9 @@ import torch
 from torch import nn
 
 from qwenserve.config.model_config import ModelConfig
+from qwenserve.distributed.layout import check_head_split
+from qwenserve.distributed.pipeline import PipelineParallel
+from qwenserve.distributed.tensor_parallel import TensorParallel
 from qwenserve.model.interface import KVCacheSpec
 from qwenserve.model.layers.activation import SiluAndMul
 from qwenserve.model.layers.attention import Attention, AttentionMetadata
@@ -24,7 +27,6 @@ from qwenserve.model.layers.layernorm import RMSNorm
 from qwenserve.model.layers.linear import LinearMethod, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from qwenserve.model.layers.quantization import QuantizationScheme
 from qwenserve.model.layers.rotary import RotaryEmbedding
-from qwenserve.model.parallel import PipelineParallel, TensorParallel, check_head_split
 from qwenserve.model.registry import MODEL_REGISTRY
 
 logger = logging.getLogger(__name__)
