@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from qwenserve.config.engine_config import EngineConfig
+from qwenserve.kernels import use_cpu_kernels
 from qwenserve.model.layers.linear import cpu_weight_packing_available
 from qwenserve.model.loader.ggml_tensor import GGMLTensor
 from qwenserve.model.loader.model_loader import ModelSpec
@@ -90,7 +91,8 @@ def layer_bytes(module) -> int:
 def bench_kernels(config: EngineConfig, rows: tuple[int, ...] = ROWS) -> dict:
     load = config.load
     spec = ModelSpec.resolve(load.model, load.dtype, load.max_model_len, load.quantization)
-    model = spec.load_model(load.device)
+    with use_cpu_kernels(load.cpu_kernels):
+        model = spec.load_model(load.device)
     bandwidth = read_bandwidth()
     results = []
     with torch.inference_mode():

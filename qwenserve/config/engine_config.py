@@ -1,13 +1,16 @@
 """Engine settings: one validated object, shared by the Python API, the CLI and the server.
 
 Each setting is declared once, as a field of one of the sections below, with its help text; the CLI's flags
-(`--block-size`, ...) and `LLM(**kwargs)` are generated from those fields (see `EngineConfig.settings`)."""
+(`--block-size`, ...) and `LLM(**kwargs)` are generated from those fields (see `EngineConfig.settings`). A setting
+declared with `env=` takes its default from that environment variable when an entry point builds the config
+(`EngineConfig.from_user_settings`; see environment.py)."""
 from __future__ import annotations
 
 import dataclasses
 import re
 from dataclasses import dataclass, field
 
+from qwenserve.config.environment import env_defaults
 from qwenserve.config.errors import ConfigError
 from qwenserve.config.model_config import resolve_kv_cache_dtype
 
@@ -28,7 +31,8 @@ def parse_size(value: int | str) -> int:
 
 
 def setting(default, help: str, **cli):
-    """A field that is also a CLI flag; `cli` may give `type` (the flag's parser) or `hidden` (no flag)."""
+    """A field that is also a CLI flag; `cli` may give `type` (the flag's parser and the variable's), `hidden` (no
+    flag) or `env` (the environment variable that gives the default at the entry points)."""
     return field(default=default, metadata={"help": help, **cli})
 
 
@@ -53,6 +57,9 @@ class LoadConfig:
               "kernels), int8 / int4 (quantized at load: int8 per output channel, int4 in groups of 128), awq or "
               "gptq (those checkpoints' own 4/8-bit weights); default: gguf for a .gguf file, awq/gptq from "
               "config.json's quantization_config, else none")
+    cpu_kernels: bool = setting(True, "run on qwenserve's compiled CPU kernels (built on first use with the C++ "
+                                      "compiler, about 20 s; a failed build is an error); off: PyTorch ops only, "
+                                      "several times slower (default: on)", env="QWENSERVE_CPU_KERNELS")
 
 
 @dataclass(frozen=True)
@@ -87,6 +94,30 @@ class SchedulerConfig:
 
 
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
+CPU_BIND_ALL = "all"
+
+
+def parse_cpu_binding(text: str, num_ranks: int | None) -> list[set[int] | None]:
+    """cpu_omp_threads_bind's CPU set for each of num_ranks processes ("0-3|4-7" -> [{0, 1, 2, 3}, {4, 5, 6, 7}]);
+    "all" leaves each on every CPU (None). num_ranks None: check the syntax only."""
+    text = text.strip()
+    if text == CPU_BIND_ALL:
+        return [None] * (num_ranks or 1)
+    sets = [_parse_cpu_list(part, text) for part in text.split("|")]
+    if num_ranks is not None and len(sets) != num_ranks:
+        raise ConfigError(f"cpu_omp_threads_bind {text!r} gives {len(sets)} CPU sets for {num_ranks} ranks")
+    return sets
+
+
+def _parse_cpu_list(part: str, whole: str) -> set[int]:
+    cpus: set[int] = set()
+    try:
+        for item in part.split(","):
+            first, _, last = item.strip().partition("-")
+            cpus.update(range(int(first), int(last or first) + 1))
+    except ValueError:
+        raise ConfigError(f"cpu_omp_threads_bind {whole!r}: {part!r} is not a list of CPUs such as 0-3 or 0,2") from None
+    return cpus
 
 
 @dataclass(frozen=True)
@@ -105,6 +136,11 @@ class ParallelConfig:
         None, "how the worker processes are started: mp (spawned on this host) or ray (actors of the Ray cluster "
               "at RAY_ADDRESS, or a local one; pip install qwenserve[ray]); default: mp when there is more than "
               "one process")
+    cpu_omp_threads_bind: str | None = setting(
+        None, "the CPUs each worker process's threads run on (mp backend): one set per process, tensor x pipeline x "
+              "data parallel of them in rank order, separated by '|', each a list of CPUs and ranges (0-3|4-7, "
+              "0,2|1,3); all: every process on every CPU; default: this process's CPUs split evenly, in order",
+        env="QWENSERVE_CPU_OMP_THREADS_BIND")
 
     def __post_init__(self):
         _check_positive(self, "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
@@ -112,6 +148,10 @@ class ParallelConfig:
         if backend is not None and backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
             raise ConfigError(f"distributed_executor_backend {backend!r} is not one of "
                               f"{', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}")
+        if self.cpu_omp_threads_bind is not None:
+            # the mp executor binds every process on this host; elsewhere only the syntax can be checked here
+            ranks = self.world_size * self.data_parallel_size if self.backend == "mp" else None
+            parse_cpu_binding(self.cpu_omp_threads_bind, ranks)
 
     @property
     def world_size(self) -> int:
@@ -154,3 +194,16 @@ class EngineConfig:
                 raise ConfigError(f"unknown engine argument {key!r}; engine arguments are: {', '.join(sorted(known))}")
             (sections[known[key]] if known[key] else top)[key] = value
         return cls(**{name: section(**sections[name]) for name, section in cls.SECTIONS.items()}, **top)
+
+    @classmethod
+    def from_user_settings(cls, **kwargs) -> EngineConfig:
+        """The config an entry point builds from what its user gave (LLM(...)'s arguments, the CLI's flags): as
+        from_kwargs, and each setting declared with env= that is not given takes its variable's value, if set.
+        A rejected config names the variables it read."""
+        from_env = env_defaults([f for _, f in cls.settings()], kwargs.keys())
+        try:
+            return cls.from_kwargs(**kwargs, **{name: found.value for name, found in from_env.items()})
+        except ConfigError as e:
+            if not from_env:
+                raise
+            raise ConfigError(f"{e} (from the environment: {', '.join(map(str, from_env.values()))})") from None

@@ -58,7 +58,8 @@ class MultiprocExecutor(Executor):
         init_method = f"tcp://127.0.0.1:{free_port()}"
         self._dead: str | None = None
         self._procs, self._conns = [], []
-        cpu_sets = cpu_sets_for_ranks(world * parallel.data_parallel_size)[replica_rank * world:][:world]
+        cpu_sets = cpu_sets_for_ranks(world * parallel.data_parallel_size,
+                                      parallel.cpu_omp_threads_bind)[replica_rank * world:][:world]
         for rank, cpus in enumerate(cpu_sets):
             engine_end, worker_end = ctx.Pipe()
             proc = ctx.Process(

@@ -10,6 +10,7 @@ import torch
 from qwenserve.config.engine_config import EngineConfig
 from qwenserve.config.errors import ConfigError
 from qwenserve.config.model_config import resolve_kv_cache_dtype
+from qwenserve.kernels import use_cpu_kernels
 from qwenserve.core.step import ModelRunnerOutput, SchedulerOutput
 from qwenserve.model.layers.attention import PagedKVCache
 from qwenserve.model.loader.model_loader import ModelSpec
@@ -32,7 +33,8 @@ class Worker:
         self.device = torch.device(config.load.device)
         if self.device.type == "cpu":
             keep_large_allocations_in_heap()
-        self.model = spec.load_model(self.device, tp, pp)
+        with use_cpu_kernels(config.load.cpu_kernels):  # the layers choose their implementation when built
+            self.model = spec.load_model(self.device, tp, pp)
         self.max_model_len = spec.max_model_len
         layers = self.model.model.own_layers
         self._kv_shape = (len(layers), config.cache.block_size, layers[0].self_attn.num_kv_heads,
@@ -63,7 +65,8 @@ class Worker:
                     " codes, per-token scales" if self._kv_dtype != self.model.dtype else "")
         self.kv_cache = PagedKVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, self._kv_dtype,
                                      self.device)
-        self.model_runner = ModelRunner(self.model, self.kv_cache, self.device, self.config.record_logits)
+        with use_cpu_kernels(self.config.load.cpu_kernels):
+            self.model_runner = ModelRunner(self.model, self.kv_cache, self.device, self.config.record_logits)
 
     @property
     def num_kv_blocks(self) -> int:
