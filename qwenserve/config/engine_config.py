@@ -20,13 +20,14 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 10**6, "mb"
           "g": 10**9, "gb": 10**9, "gib": GiB, "t": 10**12, "tb": 10**12, "tib": 1 << 40}
 
 
-def parse_size(value: int | str) -> int:
-    """Bytes from an int or a string such as '2GiB', '512MiB', '1.5GB' or '1073741824'."""
+def parse_size(value: int | str, name: str = "kv_cache_memory") -> int:
+    """Bytes from an int or a string such as '2GiB', '512MiB', '1.5GB' or '1073741824'; name: the setting's, for
+    the error."""
     if isinstance(value, int):
         return value
     m = _SIZE.match(str(value))
     if not m or m.group(2).lower() not in _UNITS:
-        raise ConfigError(f"kv_cache_memory {value!r} is not a size (examples: 2GiB, 512MiB, 1073741824)")
+        raise ConfigError(f"{name} {value!r} is not a size (examples: 2GiB, 512MiB, 1073741824)")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
@@ -116,7 +117,8 @@ def _parse_cpu_list(part: str, whole: str) -> set[int]:
             first, _, last = item.strip().partition("-")
             cpus.update(range(int(first), int(last or first) + 1))
     except ValueError:
-        raise ConfigError(f"cpu_omp_threads_bind {whole!r}: {part!r} is not a list of CPUs such as 0-3 or 0,2") from None
+        raise ConfigError(f"cpu_omp_threads_bind {whole!r}: {part!r} is not a list of CPUs such as 0-3 or 0,2"
+                          ) from None
     return cpus
 
 

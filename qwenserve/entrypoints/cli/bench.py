@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from qwenserve.entrypoints.cli.engine_args import add_engine_args, engine_config_from_args, positive_int
-from qwenserve.entrypoints.cli.serve import DEFAULT_MAX_REQUEST_BYTES, byte_size
+from qwenserve.config.server_config import SERVER_DEFAULTS
+from qwenserve.entrypoints.cli.engine_args import add_engine_args, byte_size, engine_config_from_args, positive_int
 
 
 def register(sub) -> None:
@@ -83,7 +83,7 @@ def register(sub) -> None:
                      help="mix in clients that leave after their first token (10%%) and malformed or hostile "
                           "requests (5%%: n=100000, invalid JSON, huge max_tokens, wrong types, an unknown role, a "
                           "body over the server's limit); adds valid requests lost and bad requests answered 4xx")
-    srv.add_argument("--max-request-bytes", type=byte_size, default=DEFAULT_MAX_REQUEST_BYTES,
+    srv.add_argument("--max-request-bytes", type=byte_size, default=SERVER_DEFAULTS.max_request_bytes,
                      help="the server's --max-request-bytes: the storm's oversized body is one byte more "
                           "(default: %(default)s)")
     srv.add_argument("--json", action="store_true")

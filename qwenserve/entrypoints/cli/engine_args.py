@@ -1,10 +1,11 @@
-"""Engine flags generated from EngineConfig's fields (each setting is declared once, in config/)."""
+"""Flags generated from the config sections' fields (each setting is declared once, in config/): the engine's
+for every command that runs one, and the parsers the hand-written flags share."""
 from __future__ import annotations
 
 import argparse
 import dataclasses
 
-from qwenserve.config.engine_config import EngineConfig
+from qwenserve.config.engine_config import EngineConfig, parse_size
 from qwenserve.config.environment import env_variable
 
 
@@ -27,13 +28,25 @@ def add_setting_flag(group, f: dataclasses.Field) -> None:
     if isinstance(f.default, bool):
         group.add_argument(flag, dest=f.name, default=default, action=argparse.BooleanOptionalAction, help=help_text)
     else:
-        group.add_argument(flag, dest=f.name, default=default, type=f.metadata.get("type", str), help=help_text)
+        shape = {key: f.metadata[key] for key in ("nargs", "metavar") if key in f.metadata}
+        group.add_argument(flag, dest=f.name, default=default, type=f.metadata.get("type", str), help=help_text,
+                           **shape)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The config from the parsed flags, with the environment's defaults for the settings not given."""
     return EngineConfig.from_user_settings(**{f.name: getattr(args, f.name) for _, f in EngineConfig.settings()
                                               if hasattr(args, f.name)})
+
+
+def byte_size(text: str) -> int:
+    try:
+        value = parse_size(text, "size")
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (examples: 4MiB, 1048576)") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
+    return value
 
 
 def positive_int(text: str) -> int:
