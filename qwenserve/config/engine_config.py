@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from qwenserve.config.environment import env_defaults
 from qwenserve.config.errors import ConfigError
 from qwenserve.config.model_config import resolve_kv_cache_dtype
+from qwenserve.config.tuning import this_cpu_tuning
 
 GiB = 1 << 30
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -89,9 +90,14 @@ class SchedulerConfig:
     max_num_seqs: int = setting(256, "sequences per step at most (default: %(default)s)", type=int)
     max_num_batched_tokens: int = setting(4096, "tokens per step at most; longer prompts are prefilled in chunks "
                                                 "(default: %(default)s)", type=int)
+    pipelined_step_tokens: int | None = setting(
+        None, "tokens per step at most while several steps are in flight (pipeline parallel): smaller steps shorten "
+              "the pipeline's fill and drain (default: this CPU's tuning table, config/tuning.py)", type=int)
 
     def __post_init__(self):
-        _check_positive(self, "max_num_seqs", "max_num_batched_tokens")
+        if self.pipelined_step_tokens is None:
+            object.__setattr__(self, "pipelined_step_tokens", this_cpu_tuning().pipelined_step_tokens)
+        _check_positive(self, "max_num_seqs", "max_num_batched_tokens", "pipelined_step_tokens")
 
 
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
