@@ -102,9 +102,10 @@ def _compiler() -> str | None:
 
 
 def _error_tail(text: str) -> str:
-    """The compiler's own error lines from a build log (its last lines where it has none), for one message."""
+    """The compiler's diagnostics ("file:line:col: error: ...") from a build log, or its last lines where it has
+    none, for one message."""
     lines = [line.rstrip() for line in text.splitlines() if line.strip()]
-    errors = [line for line in lines if "error" in line.lower()]
+    errors = [line for line in lines if "error:" in line.lower()]
     return "\n".join((errors or lines)[-_ERROR_TAIL_LINES:])
 
 
