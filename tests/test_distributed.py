@@ -164,12 +164,22 @@ def test_bad_parallel_settings_are_named(parallel_tiny, monkeypatch):
         LLM(path, tensor_parallel_size=3)
     with pytest.raises(ValueError, match="pipeline_parallel_size 9 is more than the model's 2 layers"):
         LLM(path, pipeline_parallel_size=9)
-    monkeypatch.setenv("QWENSERVE_CPU_OMP_THREADS_BIND", "0-1")
     with pytest.raises(ConfigError, match="gives 1 CPU sets for 2 ranks"):
-        LLM(path, tensor_parallel_size=2)
-    monkeypatch.setenv("QWENSERVE_CPU_OMP_THREADS_BIND", "0|x")
+        LLM(path, tensor_parallel_size=2, cpu_omp_threads_bind="0-1")
+    with pytest.raises(ConfigError, match="gives 2 CPU sets for 4 ranks"):  # every replica's processes
+        LLM(path, tensor_parallel_size=2, data_parallel_size=2, cpu_omp_threads_bind="0|1")
     with pytest.raises(ConfigError, match="'x' is not a list of CPUs"):
+        LLM(path, tensor_parallel_size=2, cpu_omp_threads_bind="0|x")
+    monkeypatch.setenv("QWENSERVE_CPU_OMP_THREADS_BIND", "0-1")  # the variable gives the default
+    with pytest.raises(ConfigError, match="gives 1 CPU sets for 2 ranks.*QWENSERVE_CPU_OMP_THREADS_BIND='0-1'"):
         LLM(path, tensor_parallel_size=2)
+
+
+def test_cpu_sets_for_ranks_follow_the_setting():
+    from qwenserve.worker.cpu_tuning import cpu_sets_for_ranks
+    assert cpu_sets_for_ranks(2, "0-1|2,4") == [{0, 1}, {2, 4}]
+    assert cpu_sets_for_ranks(3, "all") == [None, None, None]
+    assert len(cpu_sets_for_ranks(2)) == 2  # by default: this process's CPUs shared out
 
 
 @pytest.mark.multiproc

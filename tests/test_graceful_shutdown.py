@@ -2,6 +2,7 @@
 /health 503 at once; the requests that can finish within --shutdown-timeout do; the others end with an
 OpenAI-shaped error; the process exits 0 soon after, its worker processes gone. Real server subprocesses."""
 import asyncio
+import inspect
 import json
 import os
 import signal
@@ -34,10 +35,11 @@ def model_dir(tmp_path_factory) -> str:  # a 4k context, so LONG fits
 
 
 def test_shutdown_flag_defaults_to_the_servers_default():
+    from qwenserve.config.server_config import SERVER_DEFAULTS
     from qwenserve.entrypoints.cli.main import build_parser
-    from qwenserve.entrypoints.openai.graceful_shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S
-    assert build_parser().parse_args(["serve"]).shutdown_timeout == DEFAULT_SHUTDOWN_TIMEOUT_S
+    assert build_parser().parse_args(["serve"]).shutdown_timeout == SERVER_DEFAULTS.shutdown_timeout == 20.0
     assert build_parser().parse_args(["serve", "--shutdown-timeout", "0"]).shutdown_timeout == 0
+    assert inspect.signature(GracefulServer).parameters["shutdown_timeout"].default == 20.0
 
 
 def test_a_second_signal_ends_the_drain_at_once(model_dir):

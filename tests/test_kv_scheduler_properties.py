@@ -10,13 +10,15 @@ import pytest
 from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
+from qwenserve.config.engine_config import SchedulerConfig
 from qwenserve.core.kv_cache_manager import KVCacheManager
 from qwenserve.core.request import Sequence, Status
-from qwenserve.core.scheduler import PIPELINED_STEP_TOKENS, Scheduler
+from qwenserve.core.scheduler import Scheduler
 from qwenserve.core.step import ModelRunnerOutput
 from qwenserve.sample.sampling_params import SamplingParams
 
 BLOCK = 4
+PIPELINED_STEP_TOKENS = SchedulerConfig().pipelined_step_tokens
 
 add = st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 24), st.integers(0, 3), st.integers(1, 3))
 op = st.one_of(
@@ -33,7 +35,7 @@ class Harness:
 
     def __init__(self, num_blocks, budget, max_seqs, prefix_caching, concurrent=1):
         self.kv = KVCacheManager(num_blocks, BLOCK, prefix_caching)
-        self.sched = Scheduler(self.kv, max_seqs, budget, concurrent)
+        self.sched = Scheduler(self.kv, max_seqs, budget, concurrent, PIPELINED_STEP_TOKENS)
         self.requests: dict[str, list[Sequence]] = {}
         self.worker_tables: dict[int, list[int]] = {}
         self.worker_tokens: dict[int, list[int]] = {}

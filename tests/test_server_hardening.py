@@ -327,14 +327,33 @@ def test_cors_is_off_unless_origins_are_allowed(url, engine):
     assert "x-request-id" in get.headers["access-control-expose-headers"].lower()
 
 
-def test_serve_flags_default_to_the_servers_defaults():
+def test_serve_flags_are_the_server_configs_fields():
+    from qwenserve.config.server_config import SERVER_DEFAULTS, ServerConfig
     from qwenserve.entrypoints.cli.main import build_parser
-    from qwenserve.entrypoints.openai.api_server import DEFAULT_MAX_REQUEST_BYTES
-    from qwenserve.entrypoints.openai.serving_engine import DEFAULT_MAX_N
-    args = build_parser().parse_args(["serve"])
-    assert (args.max_n, args.max_request_bytes) == (DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BYTES)
-    assert (args.api_key, args.allowed_origins, args.metrics_public, args.log_requests) == (None, None, False, False)
-    assert build_parser().parse_args(["serve", "--max-request-bytes", "1MiB"]).max_request_bytes == 1 << 20
+    from qwenserve.entrypoints.cli.serve import server_config_from_args
+    parse = build_parser().parse_args
+    assert server_config_from_args(parse(["serve"])) == ServerConfig()
+    assert (SERVER_DEFAULTS.max_n, SERVER_DEFAULTS.max_request_bytes) == (128, 4 << 20)
+    assert (SERVER_DEFAULTS.api_key, SERVER_DEFAULTS.allowed_origins) == (None, None)
+    assert not SERVER_DEFAULTS.metrics_public and not SERVER_DEFAULTS.log_requests
+    given = server_config_from_args(parse(["serve", "--max-request-bytes", "1MiB", "--max-n", "4", "--port", "0",
+                                           "--allowed-origins", "https://a.example", "https://b.example"]))
+    assert (given.max_request_bytes, given.max_n, given.port) == (1 << 20, 4, 0)
+    assert given.allowed_origins == ["https://a.example", "https://b.example"]
+
+
+@pytest.mark.parametrize("flags, pattern", [
+    (["--max-n", "0"], "max_n must be a positive integer, got 0"),
+    (["--max-request-bytes", "lots"], "max_request_bytes 'lots' is not a size"),
+    (["--shutdown-timeout", "-1"], "shutdown_timeout must be 0 or more seconds"),
+    (["--ssl-keyfile", "key.pem"], "ssl_keyfile and ssl_certfile go together"),
+])
+def test_bad_server_settings_are_named(flags, pattern):
+    from qwenserve.config.errors import ConfigError
+    from qwenserve.entrypoints.cli.main import build_parser
+    from qwenserve.entrypoints.cli.serve import server_config_from_args
+    with pytest.raises(ConfigError, match=pattern):
+        server_config_from_args(build_parser().parse_args(["serve", *flags]))
 
 
 @pytest.mark.multiproc

@@ -19,13 +19,14 @@ from qwenserve.worker.cpu_tuning import bind_to_cpus, cpu_sets_for_ranks
 SIZES = [1 << k for k in range(10, 25, 2)]  # 1 KiB .. 16 MiB
 
 
-def bench_allreduce(world_size: int = 2, dtype: str = "bfloat16", iters: int = 50) -> dict:
+def bench_allreduce(world_size: int = 2, dtype: str = "bfloat16", iters: int = 50,
+                    cpu_omp_threads_bind: str | None = None) -> dict:
     torch_dtype = resolve_dtype(dtype, None)
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_rank, args=(rank, world_size, port, cpus, torch_dtype, iters, results))
-             for rank, cpus in enumerate(cpu_sets_for_ranks(world_size))]
+             for rank, cpus in enumerate(cpu_sets_for_ranks(world_size, cpu_omp_threads_bind))]
     for p in procs:
         p.start()
     per_rank = [results.get(timeout=600) for _ in procs]

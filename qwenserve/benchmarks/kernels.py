@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from qwenserve.config.engine_config import EngineConfig
+from qwenserve.kernels import use_cpu_kernels
 from qwenserve.model.layers.linear import cpu_weight_packing_available
 from qwenserve.model.loader.ggml_tensor import GGMLTensor
 from qwenserve.model.loader.model_loader import load_model
@@ -91,7 +92,8 @@ def layer_bytes(module) -> int:
 def bench_kernels(config: EngineConfig, rows: tuple[int, ...] = ROWS) -> dict:
     load = config.load
     resolved = resolve_model(load)
-    model = load_model(resolved, load.device)
+    with use_cpu_kernels(load.cpu_kernels):
+        model = load_model(resolved, load.device)
     bandwidth = read_bandwidth()
     results = []
     with torch.inference_mode():

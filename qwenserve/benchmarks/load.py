@@ -6,14 +6,16 @@ import time
 import torch
 
 
-def bench_load(model: str | None, dtype: str, baseline: str | None) -> dict:
+def bench_load(model: str | None, dtype: str, baseline: str | None, cpu_kernels: bool = True) -> dict:
     """Seconds from nothing to weights and tokenizer ready, for qwenserve and (with baseline='hf') HF
     transformers reading the same file itself, in the same process (qwenserve first, so HF gets the warmer
-    page cache)."""
+    page cache). cpu_kernels: the setting (off, GGUF blocks are dequantized at load)."""
+    from qwenserve.kernels import use_cpu_kernels
     from qwenserve.model.loader.model_loader import LoadedModel
 
     start = time.perf_counter()
-    loaded = LoadedModel(model, dtype)
+    with use_cpu_kernels(cpu_kernels):
+        loaded = LoadedModel(model, dtype)
     result = {"model": loaded.resolved_model.path, "dtype": str(loaded.dtype).removeprefix("torch."),
               "load_s": round(time.perf_counter() - start, 2)}
     if baseline == "hf":

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # qwenserve serve's --max-request-bytes: the oversized body is one byte more
+from qwenserve.config.server_config import SERVER_DEFAULTS
 
 
 @dataclass
@@ -125,7 +125,8 @@ def _bad_result(kind: str, status: int | None, content: bytes) -> RequestResult:
 
 
 async def send_bad_request(client: httpx.AsyncClient, base_url: str, headers: dict, kind: str, model: str,
-                           prompt: list[int], max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> RequestResult:
+                           prompt: list[int],
+                           max_request_bytes: int = SERVER_DEFAULTS.max_request_bytes) -> RequestResult:
     """One malformed or hostile request; ok if it got a 4xx with an OpenAI-shaped error body."""
     if kind == "oversized_body":
         return await _send_oversized(base_url, headers, max_request_bytes)
@@ -199,7 +200,7 @@ def _storm_summary(results: list[RequestResult], output_len: int) -> dict:
 async def run_bench_serve(base_url: str, num_prompts: int, input_len: int, output_len: int,
                           max_concurrency: int | None, request_rate: float | None, api_key: str | None,
                           model: str | None, seed: int = 0, max_token_id: int = 50000, storm: bool = False,
-                          max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> dict:
+                          max_request_bytes: int = SERVER_DEFAULTS.max_request_bytes) -> dict:
     """The calm run, or with storm=True the storm (latencies and completed / failed then count the valid requests
     only). max_request_bytes: the server's limit, which the storm's oversized body exceeds by one byte."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}

@@ -1,16 +1,20 @@
 """Engine settings: one validated object, shared by the Python API, the CLI and the server.
 
 Each setting is declared once, as a field of one of the sections below, with its help text; the CLI's flags
-(`--block-size`, ...) and `LLM(**kwargs)` are generated from those fields (see `EngineConfig.settings`)."""
+(`--block-size`, ...) and `LLM(**kwargs)` are generated from those fields (see `EngineConfig.settings`). A setting
+declared with `env=` takes its default from that environment variable when an entry point builds the config
+(`EngineConfig.from_user_settings`; see environment.py)."""
 from __future__ import annotations
 
 import dataclasses
 import re
 from dataclasses import dataclass, field
 
+from qwenserve.config.environment import env_defaults
 from qwenserve.config.errors import ConfigError
 from qwenserve.config.model_config import resolve_kv_cache_dtype
 from qwenserve.config.resolved_model import ResolvedModel
+from qwenserve.config.tuning import this_cpu_tuning
 
 GiB = 1 << 30
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -18,13 +22,14 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 10**6, "mb"
           "g": 10**9, "gb": 10**9, "gib": GiB, "t": 10**12, "tb": 10**12, "tib": 1 << 40}
 
 
-def parse_size(value: int | str) -> int:
-    """Bytes from an int or a string such as '2GiB', '512MiB', '1.5GB' or '1073741824'."""
+def parse_size(value: int | str, name: str = "kv_cache_memory") -> int:
+    """Bytes from an int or a string such as '2GiB', '512MiB', '1.5GB' or '1073741824'; name: the setting's, for
+    the error."""
     if isinstance(value, int):
         return value
     m = _SIZE.match(str(value))
     if not m or m.group(2).lower() not in _UNITS:
-        raise ConfigError(f"kv_cache_memory {value!r} is not a size (examples: 2GiB, 512MiB, 1073741824)")
+        raise ConfigError(f"{name} {value!r} is not a size (examples: 2GiB, 512MiB, 1073741824)")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
@@ -53,7 +58,8 @@ def parse_layer_partition(value: str | tuple[int, ...] | list[int] | None,
 
 
 def setting(default, help: str, **cli):
-    """A field that is also a CLI flag; `cli` may give `type` (the flag's parser) or `hidden` (no flag)."""
+    """A field that is also a CLI flag; `cli` may give `type` (the flag's parser and the variable's), `hidden` (no
+    flag) or `env` (the environment variable that gives the default at the entry points)."""
     return field(default=default, metadata={"help": help, **cli})
 
 
@@ -78,6 +84,9 @@ class LoadConfig:
               "kernels), int8 / int4 (quantized at load: int8 per output channel, int4 in groups of 128), awq or "
               "gptq (those checkpoints' own 4/8-bit weights); default: gguf for a .gguf file, awq/gptq from "
               "config.json's quantization_config, else none")
+    cpu_kernels: bool = setting(True, "run on qwenserve's compiled CPU kernels (built on first use with the C++ "
+                                      "compiler, about 20 s; a failed build is an error); off: PyTorch ops only, "
+                                      "several times slower (default: on)", env="QWENSERVE_CPU_KERNELS")
 
 
 @dataclass(frozen=True)
@@ -106,12 +115,42 @@ class SchedulerConfig:
     max_num_seqs: int = setting(256, "sequences per step at most (default: %(default)s)", type=int)
     max_num_batched_tokens: int = setting(4096, "tokens per step at most; longer prompts are prefilled in chunks "
                                                 "(default: %(default)s)", type=int)
+    pipelined_step_tokens: int | None = setting(
+        None, "tokens per step at most while several steps are in flight (pipeline parallel): smaller steps shorten "
+              "the pipeline's fill and drain (default: this CPU's tuning table, config/tuning.py)", type=int)
 
     def __post_init__(self):
-        _check_positive(self, "max_num_seqs", "max_num_batched_tokens")
+        if self.pipelined_step_tokens is None:
+            object.__setattr__(self, "pipelined_step_tokens", this_cpu_tuning().pipelined_step_tokens)
+        _check_positive(self, "max_num_seqs", "max_num_batched_tokens", "pipelined_step_tokens")
 
 
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
+CPU_BIND_ALL = "all"
+
+
+def parse_cpu_binding(text: str, num_ranks: int | None) -> list[set[int] | None]:
+    """cpu_omp_threads_bind's CPU set for each of num_ranks processes ("0-3|4-7" -> [{0, 1, 2, 3}, {4, 5, 6, 7}]);
+    "all" leaves each on every CPU (None). num_ranks None: check the syntax only."""
+    text = text.strip()
+    if text == CPU_BIND_ALL:
+        return [None] * (num_ranks or 1)
+    sets = [_parse_cpu_list(part, text) for part in text.split("|")]
+    if num_ranks is not None and len(sets) != num_ranks:
+        raise ConfigError(f"cpu_omp_threads_bind {text!r} gives {len(sets)} CPU sets for {num_ranks} ranks")
+    return sets
+
+
+def _parse_cpu_list(part: str, whole: str) -> set[int]:
+    cpus: set[int] = set()
+    try:
+        for item in part.split(","):
+            first, _, last = item.strip().partition("-")
+            cpus.update(range(int(first), int(last or first) + 1))
+    except ValueError:
+        raise ConfigError(f"cpu_omp_threads_bind {whole!r}: {part!r} is not a list of CPUs such as 0-3 or 0,2"
+                          ) from None
+    return cpus
 
 
 @dataclass(frozen=True)
@@ -137,6 +176,11 @@ class ParallelConfig:
     ray_cpus_per_worker: int = setting(1, "CPUs each Ray worker reserves in the placement group and runs threads on "
                                           "(ray backend on CPU) (default: %(default)s)",
                                        type=int, env="QWENSERVE_RAY_CPUS_PER_WORKER")
+    cpu_omp_threads_bind: str | None = setting(
+        None, "the CPUs each worker process's threads run on (mp backend): one set per process, tensor x pipeline x "
+              "data parallel of them in rank order, separated by '|', each a list of CPUs and ranges (0-3|4-7, "
+              "0,2|1,3); all: every process on every CPU; default: this process's CPUs split evenly, in order",
+        env="QWENSERVE_CPU_OMP_THREADS_BIND")
 
     def __post_init__(self):
         _check_positive(self, "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
@@ -147,6 +191,10 @@ class ParallelConfig:
                               f"{', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}")
         object.__setattr__(self, "pp_layer_partition",
                            parse_layer_partition(self.pp_layer_partition, self.pipeline_parallel_size))
+        if self.cpu_omp_threads_bind is not None:
+            # the mp executor binds every process on this host; elsewhere only the syntax can be checked here
+            ranks = self.world_size * self.data_parallel_size if self.backend == "mp" else None
+            parse_cpu_binding(self.cpu_omp_threads_bind, ranks)
 
     @property
     def world_size(self) -> int:
@@ -194,3 +242,16 @@ class EngineConfig:
                 raise ConfigError(f"unknown engine argument {key!r}; engine arguments are: {', '.join(sorted(known))}")
             (sections[known[key]] if known[key] else top)[key] = value
         return cls(**{name: section(**sections[name]) for name, section in cls.SECTIONS.items()}, **top)
+
+    @classmethod
+    def from_user_settings(cls, **kwargs) -> EngineConfig:
+        """The config an entry point builds from what its user gave (LLM(...)'s arguments, the CLI's flags): as
+        from_kwargs, and each setting declared with env= that is not given takes its variable's value, if set.
+        A rejected config names the variables it read."""
+        from_env = env_defaults([f for _, f in cls.settings()], kwargs.keys())
+        try:
+            return cls.from_kwargs(**kwargs, **{name: found.value for name, found in from_env.items()})
+        except ConfigError as e:
+            if not from_env:
+                raise
+            raise ConfigError(f"{e} (from the environment: {', '.join(map(str, from_env.values()))})") from None

@@ -22,20 +22,17 @@ from qwenserve.core.kv_cache_manager import KVCacheManager
 from qwenserve.core.request import Sequence, Status
 from qwenserve.core.step import CachedSequenceData, ModelRunnerOutput, NewSequenceData, SchedulerOutput
 
-# With several steps in flight (pipeline parallel), the tokens one step may take. A prefill step's first stage
-# runs while the later ones wait for it, and its last stage runs while the earlier ones have nothing more: the
-# smaller the steps, the shorter that fill and drain. 512 rows still take the quantized layers' dense route.
-PIPELINED_STEP_TOKENS = 512
-
-
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_concurrent_batches: int = 1):
+                 max_concurrent_batches: int = 1, pipelined_step_tokens: int | None = None):
+        """pipelined_step_tokens: with several steps in flight, the most tokens one step takes (SchedulerConfig's;
+        a prefill step's first stage runs while the later ones wait for it and its last while the earlier ones
+        have nothing more, so smaller steps shorten that fill and drain); None: the whole budget."""
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.step_tokens = (max_num_batched_tokens if max_concurrent_batches == 1
-                            else min(max_num_batched_tokens, PIPELINED_STEP_TOKENS))
+        self.step_tokens = (max_num_batched_tokens if max_concurrent_batches == 1 or pipelined_step_tokens is None
+                            else min(max_num_batched_tokens, pipelined_step_tokens))
         self.max_concurrent_batches = max_concurrent_batches
         self.in_flight: set[int] = set()  # ids of sequences in a scheduled step whose output is not back
         self.waiting: deque[Sequence] = deque()

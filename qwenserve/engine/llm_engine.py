@@ -64,7 +64,7 @@ class LLMEngine:
         self.kv = KVCacheManager(self.executor.num_kv_blocks, config.cache.block_size,
                                  config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
-                                   self.executor.max_concurrent_batches)
+                                   self.executor.max_concurrent_batches, config.scheduler.pipelined_step_tokens)
         self._in_flight: deque[SchedulerOutput] = deque()  # submitted steps, oldest first
         self.input_processor = InputProcessor(self.tokenizer, resolved.config.vocab_size, self.max_model_len,
                                               frozenset(resolved.stop_token_ids(self.tokenizer)),

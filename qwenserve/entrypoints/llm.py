@@ -14,9 +14,10 @@ from qwenserve.sample.sampling_params import SamplingParams
 class LLM:
     def __init__(self, model: str | None = None, dtype: str = "auto", config: EngineConfig | None = None,
                  **engine_args):
-        """Engine arguments by name (block_size=32, kv_cache_memory="1GiB", ...; see config/engine_config.py),
-        or a whole EngineConfig."""
-        self.engine = build_engine(config or EngineConfig.from_kwargs(model=model, dtype=dtype, **engine_args))
+        """Engine arguments by name (block_size=32, kv_cache_memory="1GiB", ...; see config/engine_config.py;
+        one not given takes its environment variable's value where it has one, e.g. QWENSERVE_CPU_KERNELS), or a
+        whole EngineConfig, used as it is."""
+        self.engine = build_engine(config or EngineConfig.from_user_settings(model=model, dtype=dtype, **engine_args))
         self._ids = itertools.count()
 
     def get_tokenizer(self):

@@ -59,7 +59,8 @@ class MultiprocExecutor(DistributedExecutor):
         # every rank is on this host: tensor ranks may all-reduce through shared memory
         shm_name = self._shm_all_reduce_name(port, [THIS_HOST] * world)
         self._procs, self._conns = [], []
-        cpu_sets = cpu_sets_for_ranks(world * config.parallel.data_parallel_size)[replica_rank * world:][:world]
+        cpu_sets = cpu_sets_for_ranks(world * config.parallel.data_parallel_size,
+                                      config.parallel.cpu_omp_threads_bind)[replica_rank * world:][:world]
         for rank, cpus in enumerate(cpu_sets):
             engine_end, worker_end = ctx.Pipe()
             proc = ctx.Process(

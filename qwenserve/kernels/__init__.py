@@ -1,21 +1,23 @@
 """Our compiled CPU kernels (cpu/: one source per op family, shared helpers in vec.h, the op registration in
 register.cpp), built on first use and cached by torch's extension builder.
 
-`cpu_ops()` returns torch.ops.qwenserve once the library is loaded, or None when it cannot be: no C++
-compiler, a build error, or QWENSERVE_CPU_KERNELS=0. Callers then take the PyTorch path, which computes the
-same thing with more, smaller ops. The build takes ~20 s once per source version; later runs load the cached
-library (TORCH_EXTENSIONS_DIR moves the cache). Layers pick the library once, when they are built, with
-`cpu_ops_for(device)`.
+`cpu_ops()` returns torch.ops.qwenserve once the library is loaded. Where no C++ compiler is found it returns
+None, with a warning, and callers take the PyTorch path, which computes the same thing with more, smaller ops
+(several times slower). A build that fails with a compiler present raises KernelBuildError: serving on, silently
+that much slower, would hide the failure. The setting cpu_kernels (QWENSERVE_CPU_KERNELS=0, --no-cpu-kernels)
+chooses the PyTorch path on purpose; whoever builds a model from a config applies it with `use_cpu_kernels`.
+The build takes ~20 s once per source version; later runs load the cached library (TORCH_EXTENSIONS_DIR moves
+the cache). Layers pick the library once, when they are built, with `cpu_ops_for(device)`.
 """
 from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import platform
+import shutil
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -94,28 +96,57 @@ def _build():
     return torch.ops.qwenserve
 
 
+class KernelBuildError(RuntimeError):
+    """The CPU kernels did not build although a C++ compiler is there."""
+
+
+_ERROR_TAIL_LINES = 12
+
+
+def _compiler() -> str | None:
+    """The path of the C++ compiler torch's extension builder runs (CXX, else c++), or None if there is none."""
+    from torch.utils.cpp_extension import get_cxx_compiler
+    return shutil.which(get_cxx_compiler())
+
+
+def _error_tail(text: str) -> str:
+    """The compiler's diagnostics ("file:line:col: error: ...") from a build log, or its last lines where it has
+    none, for one message."""
+    lines = [line.rstrip() for line in text.splitlines() if line.strip()]
+    errors = [line for line in lines if "error:" in line.lower()]
+    return "\n".join((errors or lines)[-_ERROR_TAIL_LINES:])
+
+
 def cpu_ops():
-    """torch.ops.qwenserve, building the library the first time; None where it is unavailable."""
+    """torch.ops.qwenserve, building the library the first time; None where there is no C++ compiler. Raises
+    KernelBuildError, now and at every later call, where the build fails with a compiler present."""
     if "ops" in _state:
         return _state["ops"]
     with _lock:
-        if "ops" not in _state:
-            ops = None
-            if os.environ.get("QWENSERVE_CPU_KERNELS", "1") == "0":
-                logger.info("CPU kernels switched off (QWENSERVE_CPU_KERNELS=0): PyTorch ops only")
+        if "ops" not in _state and "error" not in _state:
+            compiler = _compiler()
+            if compiler is None:
+                logger.warning("no C++ compiler found, so qwenserve's CPU kernels cannot be built: running on "
+                               "PyTorch ops, several times slower (install g++, or choose this path with "
+                               "QWENSERVE_CPU_KERNELS=0 or --no-cpu-kernels)")
+                _state["ops"] = None
             else:
                 try:
-                    ops = _build()
-                except Exception as e:  # no compiler, build failure: the PyTorch path still works
-                    logger.warning("qwenserve CPU kernels unavailable, using PyTorch ops (slower): %s", e)
-            _state["ops"] = ops
+                    _state["ops"] = _build()
+                except Exception as e:  # noqa: BLE001 - whatever the builder raised, the message carries its log
+                    _state["error"] = KernelBuildError(
+                        f"qwenserve's CPU kernels failed to build with {compiler}:\n{_error_tail(str(e))}\n"
+                        "Without them serving runs several times slower. Fix the compiler set-up, or choose the "
+                        "PyTorch ops on purpose with QWENSERVE_CPU_KERNELS=0 or --no-cpu-kernels.")
+        if "error" in _state:
+            raise _state["error"]
     return _state["ops"]
 
 
 def cpu_ops_for(device: torch.device | str):
     """The kernel library for work on `device`: torch.ops.qwenserve on the CPU unless the kernels are switched
-    off (the `disabled()` block, QWENSERVE_CPU_KERNELS=0) or unavailable; else None. Layers call it once, when
-    they are built, and keep the answer."""
+    off (a `disabled()` block, the setting cpu_kernels off) or there is no compiler; else None. Layers call it
+    once, when they are built, and keep the answer."""
     if torch.device(device).type != "cpu" or _state.get("disabled"):
         return None
     return cpu_ops()
@@ -124,9 +155,16 @@ def cpu_ops_for(device: torch.device | str):
 @contextmanager
 def disabled():
     """PyTorch ops only for what is built inside the block (layers and runners choose when they are built),
-    for comparing the two paths."""
+    for comparing the two paths. Blocks may nest."""
+    outer = _state.get("disabled", False)
     _state["disabled"] = True
     try:
         yield
     finally:
-        _state.pop("disabled")
+        _state["disabled"] = outer
+
+
+def use_cpu_kernels(enabled: bool):
+    """A block in which models and runners are built as the setting cpu_kernels says: with the kernels, or
+    (off) on PyTorch ops only."""
+    return nullcontext() if enabled else disabled()

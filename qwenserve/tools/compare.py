@@ -90,15 +90,16 @@ def compare_one(prompt_text: str, hf_tokens, hf_logits, qs_tokens, qs_logits) ->
     return PromptComparison(prompt_text, divergence is None, divergence, diff, steps, hf_tokens, qs_tokens)
 
 
-def run_compare(model: str | None, prompts: list, max_tokens: int) -> list[PromptComparison]:
-    """Each prompt alone through the engine (greedy, float32, logits recorded) and through HF transformers."""
+def run_compare(model: str | None, prompts: list, max_tokens: int, cpu_kernels: bool = True) -> list[PromptComparison]:
+    """Each prompt alone through the engine (greedy, float32, logits recorded; cpu_kernels: the setting) and
+    through HF transformers."""
     from qwenserve.config.engine_config import EngineConfig
     from qwenserve.engine.llm_engine import LLMEngine
     from qwenserve.sample.sampling_params import SamplingParams
 
     # the exact path (weights dequantized to float32) is what must equal HF
     engine = LLMEngine(EngineConfig.from_kwargs(model=model, dtype="float32", quantization="none",
-                                                kv_cache_memory="1GiB", record_logits=True))
+                                                kv_cache_memory="1GiB", record_logits=True, cpu_kernels=cpu_kernels))
     hf_model = load_hf_model(engine.resolved_model.path)
     results = []
     for i, prompt in enumerate(prompts):

@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from qwenserve.config.errors import ConfigError
+from qwenserve.config.engine_config import parse_cpu_binding
 
 logger = logging.getLogger(__name__)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
@@ -30,38 +30,17 @@ def keep_large_allocations_in_heap() -> None:
         logger.debug("mallopt unavailable: %s", e)
 
 
-CPU_BIND_ENV = "QWENSERVE_CPU_OMP_THREADS_BIND"
-
-
-def cpu_sets_for_ranks(num_ranks: int) -> list[set[int] | None]:
-    """The CPUs each local rank's threads run on. QWENSERVE_CPU_OMP_THREADS_BIND (as vLLM's
-    VLLM_CPU_OMP_THREADS_BIND) gives one set per rank, separated by '|', each a list of CPUs and ranges
-    ("0-3|4-7", "0,2|1,3"); "all" leaves every rank on every CPU (None). Default: this process's CPUs split
-    evenly, in order; with fewer CPUs than ranks, ranks share them round robin."""
-    text = os.environ.get(CPU_BIND_ENV, "").strip()
-    if text == "all":
-        return [None] * num_ranks
-    if text:
-        sets = [_parse_cpu_list(part, text) for part in text.split("|")]
-        if len(sets) != num_ranks:
-            raise ConfigError(f"{CPU_BIND_ENV}={text!r} gives {len(sets)} CPU sets for {num_ranks} ranks")
-        return sets
+def cpu_sets_for_ranks(num_ranks: int, binding: str | None = None) -> list[set[int] | None]:
+    """The CPUs each local rank's threads run on: as the setting cpu_omp_threads_bind gives them (vLLM's
+    VLLM_CPU_OMP_THREADS_BIND: "0-3|4-7", one set per rank; "all": every rank on every CPU, None), or by default
+    this process's CPUs split evenly, in order; with fewer CPUs than ranks, ranks share them round robin."""
+    if binding is not None:
+        return parse_cpu_binding(binding, num_ranks)
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     if len(cpus) < num_ranks:
         return [{cpus[r % len(cpus)]} for r in range(num_ranks)]
     per_rank = len(cpus) // num_ranks
     return [set(cpus[r * per_rank:(r + 1) * per_rank]) for r in range(num_ranks)]
-
-
-def _parse_cpu_list(part: str, whole: str) -> set[int]:
-    cpus: set[int] = set()
-    try:
-        for item in part.split(","):
-            first, _, last = item.strip().partition("-")
-            cpus.update(range(int(first), int(last or first) + 1))
-    except ValueError:
-        raise ConfigError(f"{CPU_BIND_ENV}={whole!r}: {part!r} is not a list of CPUs such as 0-3 or 0,2") from None
-    return cpus
 
 
 def bind_to_cpus(cpus: set[int] | None) -> None:

@@ -10,6 +10,7 @@ import torch
 from qwenserve.config.engine_config import EngineConfig
 from qwenserve.config.errors import ConfigError
 from qwenserve.config.model_config import resolve_kv_cache_dtype
+from qwenserve.kernels import use_cpu_kernels
 from qwenserve.core.step import ModelRunnerOutput, SchedulerOutput
 from qwenserve.distributed.groups import init_model_parallel
 from qwenserve.distributed.pipeline import PipelineParallel
@@ -42,7 +43,8 @@ class Worker:
         self.device = torch.device(config.load.device)
         if self.device.type == "cpu":
             keep_large_allocations_in_heap()
-        self.model = load_model(resolved, self.device, tp, pp)
+        with use_cpu_kernels(config.load.cpu_kernels):  # the layers choose their implementation when built
+            self.model = load_model(resolved, self.device, tp, pp)
         self.max_model_len = resolved.max_model_len
         spec = self.model.kv_cache_spec()
         self._kv_shape = (spec.num_layers, config.cache.block_size, spec.num_kv_heads, spec.head_dim)
@@ -72,7 +74,8 @@ class Worker:
                     " codes, per-token scales" if self._kv_dtype != self.model.dtype else "")
         self.kv_cache = PagedKVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, self._kv_dtype,
                                      self.device)
-        self.model_runner = ModelRunner(self.model, self.kv_cache, self.device, self.config.record_logits)
+        with use_cpu_kernels(self.config.load.cpu_kernels):
+            self.model_runner = ModelRunner(self.model, self.kv_cache, self.device, self.config.record_logits)
 
     @property
     def num_kv_blocks(self) -> int:

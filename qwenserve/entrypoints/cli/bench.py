@@ -5,15 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 
-from qwenserve.entrypoints.cli.engine_args import add_engine_args, engine_config_from_args, positive_int
-from qwenserve.entrypoints.cli.serve import DEFAULT_MAX_REQUEST_BYTES, byte_size
+from qwenserve.config.server_config import SERVER_DEFAULTS
+from qwenserve.entrypoints.cli.engine_args import add_engine_args, byte_size, engine_config_from_args, positive_int
 
 
 def register(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks (speed and memory are measured here, not in tests)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     load = bench_sub.add_parser("load", help="time to load weights and tokenizer")
-    add_engine_args(load, only=("model", "dtype"))
+    add_engine_args(load, only=("model", "dtype", "cpu_kernels"))
     load.add_argument("--baseline", choices=["hf"], default=None, help="also time HF transformers on the same file")
     load.add_argument("--json", action="store_true")
 
@@ -55,13 +55,14 @@ def register(sub) -> None:
     ppl.add_argument("--json", action="store_true")
 
     kern = bench_sub.add_parser("kernels", help="every weight shape of the model: our matmul against the alternatives")
-    add_engine_args(kern, only=("model", "dtype", "max_model_len", "device", "quantization"))
+    add_engine_args(kern, only=("model", "dtype", "max_model_len", "device", "quantization", "cpu_kernels"))
     kern.add_argument("--rows", type=positive_int, nargs="+", default=[1, 8, 32, 512],
                       help="batch rows M to time (default: 1 8 32 512)")
     kern.add_argument("--json", action="store_true")
 
     ar = bench_sub.add_parser("allreduce", help="one all-reduce between worker processes on this host, per message "
                                                "size (what tensor parallelism pays twice per layer per step)")
+    add_engine_args(ar, only=("cpu_omp_threads_bind",))
     ar.add_argument("--world-size", type=positive_int, default=2)
     ar.add_argument("--dtype", choices=["bfloat16", "float32", "float16"], default="bfloat16")
     ar.add_argument("--iters", type=positive_int, default=50)
@@ -82,7 +83,7 @@ def register(sub) -> None:
                      help="mix in clients that leave after their first token (10%%) and malformed or hostile "
                           "requests (5%%: n=100000, invalid JSON, huge max_tokens, wrong types, an unknown role, a "
                           "body over the server's limit); adds valid requests lost and bad requests answered 4xx")
-    srv.add_argument("--max-request-bytes", type=byte_size, default=DEFAULT_MAX_REQUEST_BYTES,
+    srv.add_argument("--max-request-bytes", type=byte_size, default=SERVER_DEFAULTS.max_request_bytes,
                      help="the server's --max-request-bytes: the storm's oversized body is one byte more "
                           "(default: %(default)s)")
     srv.add_argument("--json", action="store_true")
@@ -93,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.bench_command == "load":
         from qwenserve.benchmarks.load import bench_load
-        result = bench_load(args.model, args.dtype, args.baseline)
+        load = engine_config_from_args(args).load
+        result = bench_load(load.model, load.dtype, args.baseline, load.cpu_kernels)
     elif args.bench_command == "throughput":
         from qwenserve.benchmarks.throughput import bench_throughput
         num_prompts = args.num_prompts or (64 if args.varied else 32)
@@ -112,7 +114,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     elif args.bench_command == "allreduce":
         from qwenserve.benchmarks.allreduce import bench_allreduce, format_table
-        result = bench_allreduce(args.world_size, args.dtype, args.iters)
+        result = bench_allreduce(args.world_size, args.dtype, args.iters,
+                                 engine_config_from_args(args).parallel.cpu_omp_threads_bind)
         print(json.dumps(result) if args.json else format_table(result))
         return 0
     elif args.bench_command == "ppl":

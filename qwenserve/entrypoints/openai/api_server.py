@@ -14,6 +14,7 @@ from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
+from qwenserve.config.server_config import SERVER_DEFAULTS
 from qwenserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from qwenserve.entrypoints.openai.metrics import ServerMetrics
 from qwenserve.entrypoints.openai.middleware import (
@@ -29,7 +30,7 @@ from qwenserve.entrypoints.openai.protocol import (
 )
 from qwenserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from qwenserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from qwenserve.entrypoints.openai.serving_engine import DEFAULT_MAX_N, APIError, error_response
+from qwenserve.entrypoints.openai.serving_engine import APIError, error_response
 from qwenserve.entrypoints.openai.serving_models import OpenAIServingModels
 from qwenserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
@@ -37,7 +38,6 @@ logger = logging.getLogger(__name__)
 WEBUI_DIR = Path(__file__).parent / "webui"  # the web UI's static files: index.html at /, the rest under /ui/
 UI_PATHS = {"/"} | {f"/ui/{f.name}" for f in WEBUI_DIR.iterdir() if f.is_file()}  # open: its API calls carry the key
 OPEN_PATHS = {"/health"} | UI_PATHS  # served without the API key
-DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # a full 128k-token context as JSON token ids is ~1 MB; GB-sized bodies are not
 
 
 def is_open_path(path: str, metrics_public: bool = False) -> bool:
@@ -67,11 +67,11 @@ class APIKeyMiddleware:
 
 
 def build_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: str | None = None,
-              metrics: ServerMetrics | None = None, *, max_n: int = DEFAULT_MAX_N,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, allowed_origins: list[str] | None = None,
+              metrics: ServerMetrics | None = None, *, max_n: int = SERVER_DEFAULTS.max_n,
+              max_request_bytes: int = SERVER_DEFAULTS.max_request_bytes, allowed_origins: list[str] | None = None,
               metrics_public: bool = False, log_requests: bool = False) -> FastAPI:
-    """The app. api_key guards every route but is_open_path's; CORS is off unless allowed_origins names some;
-    prompts and outputs are logged only with log_requests."""
+    """The app (the settings are ServerConfig's). api_key guards every route but is_open_path's; CORS is off
+    unless allowed_origins names some; prompts and outputs are logged only with log_requests."""
     server_metrics = metrics or ServerMetrics()
     if engine.generation_defaults:
         logger.info("sampling defaults from generation_config (used when a request does not set them): %s",

@@ -12,13 +12,11 @@ import time
 
 import uvicorn
 
+from qwenserve.config.server_config import SERVER_DEFAULTS
 from qwenserve.engine.async_engine import AsyncLLMEngine, DrainTimeoutError
 
 logger = logging.getLogger(__name__)
 
-# Kubernetes sends SIGKILL 30 s after SIGTERM by default: 20 s of draining leaves time within that for the abort,
-# CONNECTIONS_GRACE_S and stopping the engine and its workers, so a pod's requests end with an error, not a reset.
-DEFAULT_SHUTDOWN_TIMEOUT_S = 20.0
 # After the drain, uvicorn's own graceful shutdown waits for open connections (the last responses being written).
 # Bounded, because an idle TLS keep-alive client would otherwise hold it for asyncio's 30 s SSL shutdown timeout.
 CONNECTIONS_GRACE_S = 5.0
@@ -30,7 +28,7 @@ class GracefulServer(uvicorn.Server):
     new client would get a refused connection instead of a 503)."""
 
     def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine,
-                 shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S):
+                 shutdown_timeout: float = SERVER_DEFAULTS.shutdown_timeout):
         if config.timeout_graceful_shutdown is None:
             config.timeout_graceful_shutdown = CONNECTIONS_GRACE_S
         super().__init__(config)

