@@ -13,7 +13,6 @@ import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 import torch
 from gguf import GGMLQuantizationType
@@ -200,26 +199,13 @@ def config_from_gguf(md: dict) -> ModelConfig:
     )
 
 
-@lru_cache(maxsize=1)
-def _gguf_file(path: str, size: int, mtime_ns: int) -> GGUFFile:
-    """The last GGUF file opened, kept: the engine resolves it, builds its tokenizer and, with the worker in
-    its process, loads its weights, each of which would otherwise parse its header again (0.5 s for the
-    bundled model's vocabulary). Keyed by size and mtime too, so a file written again is read again."""
-    return GGUFFile(path)
-
-
-def open_gguf_file(path: str) -> GGUFFile:
-    st = os.stat(path)
-    return _gguf_file(path, st.st_size, st.st_mtime_ns)
-
-
 class GGUFCheckpoint(Checkpoint):
     format = "gguf"
 
     def __init__(self, path: str, model_id: str | None = None, config: ModelConfig | None = None):
         """config: the one an engine resolved from this file, taken as it is; without it the metadata is read
         and checked."""
-        self.file = open_gguf_file(path)
+        self.file = GGUFFile(path)
         if config is None:
             config = config_from_gguf(self.file.metadata)
             if "output.weight" not in self.file.tensors:  # no separate LM head: it is the embedding
