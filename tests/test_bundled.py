@@ -176,20 +176,26 @@ def test_bundled_gguf_in_float32_decodes_greedily_as_the_exact_path():
 
 @pytest.mark.slow
 def test_bundled_gguf_in_bf16_decodes_a_prompt_alone_as_the_exact_path():
-    """The default (gguf, bf16): a request decoding alone gives each activation two int8 codes
-    (ggml_blocks.activation_levels_for_rows), so compare's prompts, each alone as compare runs them, decode
-    greedily as the exact path in the same dtype (quantization none, bf16) on >= 90% of the tokens, position by
-    position (256/256 when measured; with one code, as at several rows, 206/256)."""
+    """The default (gguf, bf16), each of compare's prompts decoding alone (one activation row, two int8 codes
+    each: ggml_blocks.activation_levels_for_rows): fed the tokens it chose, the exact path in the same dtype
+    (quantization none, bf16) picks the same next token at >= 98% of the positions. Free-running sequences are
+    not compared position by position: after a near-tie the two paths write different texts, and where the
+    near-ties fall depends on the CPU's bf16 arithmetic (native or emulated)."""
     from qwenserve import LLM, SamplingParams
+    from qwenserve.model.loader.model_loader import LoadedModel
     from qwenserve.tools.compare import DEFAULT_PROMPTS, prompt_ids
+    from qwenserve.worker.model_runner import full_logits
 
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    tokens = {}
-    for quantization in ("none", "gguf"):
-        llm = LLM(None, dtype="bfloat16", quantization=quantization, kv_cache_memory="256MiB")
-        prompts = [{"prompt_token_ids": prompt_ids(llm.get_tokenizer(), p)[1]} for p in DEFAULT_PROMPTS]
-        tokens[quantization] = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
-        del llm
-    same = sum(a == b for want, got in zip(tokens["none"], tokens["gguf"]) for a, b in zip(want, got))
-    total = 64 * len(DEFAULT_PROMPTS)
-    assert same >= 0.9 * total, f"{same}/{total} greedy tokens equal the exact path's"
+    llm = LLM(None, dtype="bfloat16", quantization="gguf", kv_cache_memory="256MiB")
+    prompts = [prompt_ids(llm.get_tokenizer(), p)[1] for p in DEFAULT_PROMPTS]
+    chosen = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    del llm
+    exact = LoadedModel(None, dtype="bfloat16", quantization="none")
+    same = total = 0
+    for prompt, tokens in zip(prompts, chosen):
+        predicted = full_logits(exact.model, prompt + tokens[:-1])[len(prompt) - 1:].argmax(-1).tolist()
+        same += sum(a == b for a, b in zip(predicted, tokens))
+        total += len(tokens)
+    assert total == 64 * len(DEFAULT_PROMPTS)
+    assert same >= 0.98 * total, f"{same}/{total} of the gguf path's greedy tokens are the exact path's choice"
