@@ -77,6 +77,42 @@ def test_logits_follow_the_exact_path(ops, mixed_gguf):
     assert agree >= 0.9, f"only {agree:.0%} of next-token choices agree with the exact path"
 
 
+def test_a_tied_head_runs_the_embeddings_blocks(ops, tmp_path):
+    """A tied LM head multiplies the embedding's own blocks with ggml_mm (no dense copy of the vocabulary matrix
+    anywhere); the embedding looks its rows up in the head's decode layout; the head's logits equal hidden states
+    times the dequantized embedding within what the activation codes cost."""
+    hf = tiny_hf_model(seed=63, tie_word_embeddings=True)
+    path = save_gguf(hf, str(tmp_path / "tied.gguf"), "Q5_0")
+    model = LoadedModel(path, dtype="float32", quantization="gguf").model
+    embedding, head = model.model.embed_tokens, model.lm_head
+    (_, blocks), = head.segments
+    assert blocks is embedding.blocks and blocks.group == 8 and blocks.ggml_type.name == "Q5_0"
+    assert head.weight is embedding.weight and embedding.weight.numel() == 0
+    held = sum(seg.nbytes for m in model.modules() if getattr(m, "segments", None) for _, seg in m.segments)
+    in_file = sum(t.nbytes for t in GGUFFile(path).tensors.values() if len(t.shape) == 2)
+    assert held == in_file  # the embedding's blocks counted once, through the head
+    dense = blocks.dequantize()
+    ids = torch.tensor([[3, 0, 250], [7, 7, 319]])
+    assert torch.equal(embedding(ids), dense[ids])
+    hidden = torch.randn(5, dense.shape[1])
+    for rows in (1, 5):  # one row (two codes) and a batch (two codes in float32)
+        got, want = head.compute_logits(hidden[:rows]), hidden[:rows] @ dense.T
+        assert (got - want).norm() < 1e-3 * want.norm()
+    exact = LoadedModel(path, dtype="float32", quantization="none").model
+    few = list(range(9, 49))
+    assert torch.equal(full_logits(model, few).argmax(-1), full_logits(exact, few).argmax(-1))
+
+
+def test_a_tied_head_over_a_dense_embedding_shares_its_weight(ops, tmp_path):
+    hf = tiny_hf_model(seed=64, tie_word_embeddings=True)
+    model = LoadedModel(save_gguf(hf, str(tmp_path / "tied.gguf"), "Q8_0", {"embed_tokens": "F32"}),
+                        dtype="float32", quantization="gguf").model
+    assert model.model.embed_tokens.blocks is None
+    assert model.lm_head.weight is model.model.embed_tokens.weight and model.lm_head.weight.shape == (320, 64)
+    hidden = torch.randn(3, 64)
+    torch.testing.assert_close(model.lm_head.compute_logits(hidden), hidden @ model.lm_head.weight.T)
+
+
 def test_without_kernels_the_blocks_are_dequantized_at_load(mixed_gguf, caplog):
     with kernels.disabled(), caplog.at_level("WARNING"):  # both on the PyTorch ops, so they may be equal
         quantized = LoadedModel(mixed_gguf, dtype="float32", quantization="gguf").model

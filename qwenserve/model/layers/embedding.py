@@ -8,12 +8,14 @@ from torch import nn
 from qwenserve.distributed.tensor_parallel import TensorParallel
 from qwenserve.kernels import cpu_ops_for
 from qwenserve.model.layers.linear import LinearMethod, UnquantizedLinearMethod
+from qwenserve.model.layers.quantization.ggml_blocks import GGMLBlockLinearMethod
 from qwenserve.model.loader.ggml_tensor import GGMLTensor
 
 
 class VocabParallelEmbedding(nn.Module):
     """keep_blocks: a GGUF file's quantized embedding stays in its blocks (a quarter to a third of a bf16 copy)
-    and each lookup dequantizes only the rows it reads, with our kernel; without the kernels it is dense."""
+    and each lookup dequantizes only the rows it reads, with our kernel; without the kernels it is dense. A tied
+    LM head computes on the same blocks (ParallelLMHead.tie_to)."""
 
     def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel = TensorParallel(),
                  keep_blocks: bool = False):
@@ -48,8 +50,8 @@ class VocabParallelEmbedding(nn.Module):
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self.blocks is None:
             return F.embedding(ids, self.weight)
-        rows = self.blocks.raw.index_select(0, ids.reshape(-1))
-        out = self.ops.ggml_dequantize(rows, int(self.blocks.ggml_type), self.hidden_size, self.dtype)
+        rows = self.blocks.take_rows(ids)
+        out = self.ops.ggml_dequantize(rows.raw, int(rows.ggml_type), self.hidden_size, self.dtype)
         return out.view(*ids.shape, self.hidden_size)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -64,14 +66,16 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     """Hidden states -> logits over the full vocabulary (each rank computes its slice, then gather). Its
-    matmul is a linear method's, like any linear layer's (its weight too, so a quantized head stays quantized);
-    a tied head shares the embedding's dense weight instead."""
+    matmul is a linear method's, like any linear layer's (its weight too, so a quantized head stays quantized).
+    A tied head shares the embedding's weight: its quantized blocks where the embedding keeps them (the head's
+    block method runs them, as llama.cpp multiplies the embedding's own blocks), else its dense weight."""
 
     def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel = TensorParallel(),
                  linear_method: LinearMethod | None = None):
         self.linear_method = linear_method or UnquantizedLinearMethod()
         super().__init__(vocab_size, hidden_size, tp)
         self.weight_is_shared = False
+        self.tied_embedding: VocabParallelEmbedding | None = None
 
     def _create_weight(self, hidden_size: int) -> None:
         self.input_size, self.output_size = hidden_size, self.shard_size
@@ -85,12 +89,29 @@ class ParallelLMHead(VocabParallelEmbedding):
         return 0, self.input_size
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
-        if not isinstance(self.linear_method, UnquantizedLinearMethod):
-            raise ValueError("a tied LM head shares the embedding's dense weight; it cannot take a quantized method")
+        """Share the embedding's weight: one parameter, so the checkpoint's one tensor fills both. Whether the
+        head runs the embedding's blocks or its dense weight is settled after loading, when it is known which
+        the embedding holds."""
+        if not isinstance(self.linear_method, (UnquantizedLinearMethod, GGMLBlockLinearMethod)):
+            raise ValueError(f"a tied LM head shares the embedding's weight; it cannot take "
+                             f"{type(self.linear_method).__name__}")
         self.weight = embedding.weight
-        self.weight_is_shared = True  # the embedding lookup still reads the plain weight
+        self.weight_is_shared = True  # the embedding lookup still reads it
+        self.tied_embedding = embedding
 
     def process_weights_after_loading(self) -> None:
+        embedding = self.tied_embedding
+        if embedding is not None and embedding.blocks is not None and isinstance(self.linear_method,
+                                                                                 GGMLBlockLinearMethod):
+            self.segments = [(0, embedding.blocks)]
+            self.linear_method.process_weights_after_loading(self)
+            # one copy of the blocks, in the layout the head's kernels read; the lookup reads either layout
+            embedding.blocks = self.segments[0][1]
+            return
+        if embedding is not None and not isinstance(self.linear_method, UnquantizedLinearMethod):
+            # the file holds the embedding dense (or the kernels are off): the head shares that dense weight
+            self.linear_method = UnquantizedLinearMethod()
+            self.packed_weight = None
         self.linear_method.process_weights_after_loading(self)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

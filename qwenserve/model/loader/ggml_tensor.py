@@ -50,6 +50,18 @@ class GGMLTensor:
         raw = self.raw.reshape(rows // size, *inner, block_bytes).transpose(1, 2).contiguous().view(rows, -1)
         return GGMLTensor(raw, self.ggml_type, self.shape, group)
 
+    def take_rows(self, ids: torch.Tensor) -> GGMLTensor:
+        """Rows `ids` (any order, repeats allowed) in the file's layout, from either layout, without decoding: an
+        embedding lookup in the blocks a tied LM head holds in the decode layout."""
+        ids = ids.reshape(-1)
+        if self.group == 1:
+            return GGMLTensor(self.raw.index_select(0, ids), self.ggml_type, (ids.numel(), self.shape[1]))
+        rows, cols = self.shape
+        bs, block_bytes = GGML_QUANT_SIZES[self.ggml_type]
+        groups = self.raw.view(rows // self.group, cols // bs, self.group, block_bytes)
+        raw = groups[ids // self.group, :, ids % self.group]  # [ids, blocks, block bytes]
+        return GGMLTensor(raw.reshape(ids.numel(), -1), self.ggml_type, (ids.numel(), cols))
+
     def narrow(self, dim: int, start: int, length: int) -> GGMLTensor:
         """Rows (dim 0) freely; columns (dim 1) only on block boundaries."""
         if self.group != 1:

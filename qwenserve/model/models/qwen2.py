@@ -155,13 +155,13 @@ class Qwen2ForCausalLM(nn.Module):
         self.pp = pp
         self.hidden_size = config.hidden_size
         self.dtype = torch.get_default_dtype()  # parameters are created in it (see model_loader)
-        # a tied head reads the embedding's dense weight: the embedding keeps blocks only when untied
-        self.model = Qwen2Model(config, max_position, tp, quantization.layers,
-                                quantization.embedding_blocks and not config.tie_word_embeddings, pp)
+        self.model = Qwen2Model(config, max_position, tp, quantization.layers, quantization.embedding_blocks, pp)
         self.lm_head = None
         if pp.is_last:
-            # a tied head reads the embedding's dense weight, so it keeps the dense method
-            head_method = None if config.tie_word_embeddings else quantization.lm_head
+            # a tied head computes on the embedding's blocks where the embedding keeps them, else on its dense
+            # weight (an HF checkpoint's embedding is dense, whatever the layers' quantization)
+            tied_dense = config.tie_word_embeddings and not quantization.embedding_blocks
+            head_method = None if tied_dense else quantization.lm_head
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, head_method)
             if config.tie_word_embeddings and pp.is_first:
                 self.lm_head.tie_to(self.model.embed_tokens)
