@@ -141,6 +141,18 @@ def test_qwenserve_runs_the_file_on_its_blocks(ops, small_file):
         assert token == int(logits.argmax())
 
 
+def small_without_tokenizer(tmp_path) -> str:
+    path = str(tmp_path / "no-tokenizer.gguf")
+    writer = gguf.GGUFWriter(path, "qwen2")
+    writer.add_block_count(1)
+    writer.add_tensor("output_norm.weight", np.ones(256, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 def test_bad_shapes_and_sources_are_named(tiny_tokenizer_gguf, tmp_path, small_file):
     with pytest.raises(ValueError, match="hidden_size 896 is not a multiple of 256"):
         ModelShape("x", 896, 2, 14, 2, 4864, True)
@@ -150,10 +162,16 @@ def test_bad_shapes_and_sources_are_named(tiny_tokenizer_gguf, tmp_path, small_f
         ModelShape("x", 256, 0, 2, 1, 512, True)
     with pytest.raises(FileExistsError, match="exists; pass --overwrite"):
         write_shaped_gguf(SMALL, small_file, tokenizer_gguf=tiny_tokenizer_gguf)
+    with pytest.raises(ValueError, match="seed must be a non-negative integer, got -1"):
+        write_shaped_gguf(SMALL, str(tmp_path / "x.gguf"), seed=-1, tokenizer_gguf=tiny_tokenizer_gguf)
+    with pytest.raises(ValueError, match="--tokenizer-gguf .*missing.gguf is not a file"):
+        write_shaped_gguf(SMALL, str(tmp_path / "x.gguf"), tokenizer_gguf=str(tmp_path / "missing.gguf"))
+    with pytest.raises(ValueError, match="no tokenizer"):
+        write_shaped_gguf(SMALL, str(tmp_path / "x.gguf"), tokenizer_gguf=small_without_tokenizer(tmp_path))
     assert main(["bench", "shaped-gguf", "--shape", "1.5b", "--output", str(tmp_path / "x.bin")]) == 2
     assert main(["bench", "shaped-gguf", "--shape", "1.5b", "--output", small_file,
                  "--tokenizer-gguf", tiny_tokenizer_gguf]) == 2
-    assert not list(tmp_path.iterdir())  # nothing left behind
+    assert [p.name for p in tmp_path.iterdir()] == ["no-tokenizer.gguf"]  # nothing left behind
 
 
 @pytest.mark.slow

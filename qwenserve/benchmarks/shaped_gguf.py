@@ -115,8 +115,8 @@ def q4_k_m_type(name: str, num_layers: int, tied_embeddings: bool) -> GGMLQuanti
 
 
 def tensor_plan(shape: ModelShape, vocab_size: int) -> list[PlannedTensor]:
-    """Every tensor of the file in the order written: the LM head (untied only), the embedding, each layer's
-    tensors by name, the final norm (the bundled file's order)."""
+    """Every tensor of the file in the order written, the bundled file's: the LM head (untied only), the
+    embedding, each layer's tensors by name, the final norm."""
     h, kv = shape.hidden_size, shape.num_kv_heads * shape.head_dim
 
     def weight(name: str, rows: int, row_length: int) -> PlannedTensor:
@@ -285,9 +285,13 @@ def write_shaped_gguf(shape: ModelShape, output: str, seed: int = 0, tokenizer_g
     `tokenizer_gguf` (default: the bundled model). Returns the path, size, seconds and tensor counts by type."""
     if os.path.exists(output) and not overwrite:
         raise FileExistsError(f"{output} exists; pass --overwrite to replace it")
+    if not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
     if tokenizer_gguf is None:
         from qwenserve.model.loader.bundled import bundled_model_path
         tokenizer_gguf = bundled_model_path()
+    elif not os.path.isfile(tokenizer_gguf):
+        raise ValueError(f"--tokenizer-gguf {tokenizer_gguf} is not a file")
     start = time.perf_counter()
     source = GGUFFile(tokenizer_gguf)
     metadata = _metadata(shape, source)
@@ -301,11 +305,12 @@ def write_shaped_gguf(shape: ModelShape, output: str, seed: int = 0, tokenizer_g
         for key, value, vtype, item_type in metadata:
             writer.add_key_value(key, value, vtype, sub_type=item_type)
         for tensor in plan:
-            # quantized tensors are declared by their bytes ([rows, bytes per row], uint8), as GGUFWriter expects
-            byte_shape = (*tensor.shape[:-1], tensor.nbytes // math.prod(tensor.shape[:-1]))
-            writer.add_tensor_info(tensor.name, byte_shape if tensor.ggml_type != F32 else tensor.shape,
-                                   np.dtype(np.uint8 if tensor.ggml_type != F32 else np.float32), tensor.nbytes,
-                                   raw_dtype=tensor.ggml_type if tensor.ggml_type != F32 else None)
+            if tensor.ggml_type == F32:
+                writer.add_tensor_info(tensor.name, tensor.shape, np.dtype(np.float32), tensor.nbytes)
+            else:  # declared by its bytes ([rows, bytes per row] of uint8), as GGUFWriter takes quantized data
+                rows = tensor.shape[0]
+                writer.add_tensor_info(tensor.name, (rows, tensor.nbytes // rows), np.dtype(np.uint8), tensor.nbytes,
+                                       raw_dtype=tensor.ggml_type)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
