@@ -1,5 +1,5 @@
 """`qwenserve bench ...`: measurements, never tests (throughput, latency, prefix, ppl, kernels, allreduce, load,
-serve)."""
+serve), and the shaped models they time (shaped-gguf)."""
 from __future__ import annotations
 
 import argparse
@@ -68,6 +68,18 @@ def register(sub) -> None:
     ar.add_argument("--iters", type=positive_int, default=50)
     ar.add_argument("--json", action="store_true")
 
+    from qwenserve.benchmarks.shaped_gguf import SHAPES
+    shaped = bench_sub.add_parser("shaped-gguf", help="write a Qwen2.5-1.5B/3B/7B-shaped GGUF with random weights in "
+                                                      "llama.cpp's Q4_K_M type mix, to time (its text is noise)")
+    shaped.add_argument("--shape", choices=list(SHAPES), required=True)
+    shaped.add_argument("--output", required=True, help="the .gguf file to write")
+    shaped.add_argument("--seed", type=int, default=0, help="the same seed writes the same bytes (default: %(default)s)")
+    shaped.add_argument("--tokenizer-gguf", default=None,
+                        help="a qwen2 GGUF file whose tokenizer and metadata layout to copy (default: the bundled "
+                             "model)")
+    shaped.add_argument("--overwrite", action="store_true", help="replace an existing --output")
+    shaped.add_argument("--json", action="store_true")
+
     srv = bench_sub.add_parser("serve", help="drive a running OpenAI-compatible server with streaming requests")
     srv.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (without /v1)")
     srv.add_argument("--num-prompts", type=positive_int, default=64)
@@ -118,6 +130,11 @@ def run(args: argparse.Namespace) -> int:
                                  engine_config_from_args(args).parallel.cpu_omp_threads_bind)
         print(json.dumps(result) if args.json else format_table(result))
         return 0
+    elif args.bench_command == "shaped-gguf":
+        from qwenserve.benchmarks.shaped_gguf import SHAPES, write_shaped_gguf
+        if not args.output.endswith(".gguf"):
+            raise ValueError(f"--output {args.output} must end in .gguf (the loaders know GGUF files by it)")
+        result = write_shaped_gguf(SHAPES[args.shape], args.output, args.seed, args.tokenizer_gguf, args.overwrite)
     elif args.bench_command == "ppl":
         from qwenserve.benchmarks.ppl import bench_ppl
         result = bench_ppl(engine_config_from_args(args), args.file, args.context, args.stride, args.agreement)

@@ -32,7 +32,8 @@ class GGUFTensorInfo:
 
 
 class GGUFFile:
-    """Metadata (`.metadata`, a dict) and tensors (`.tensors`, name -> GGUFTensorInfo) of one GGUF file."""
+    """Metadata (`.metadata`, a dict; `.metadata_types`, key -> (value type, item type of an array or None))
+    and tensors (`.tensors`, name -> GGUFTensorInfo) of one GGUF file."""
 
     def __init__(self, path: str):
         self.path = path
@@ -46,10 +47,14 @@ class GGUFFile:
             raise ValueError(f"{path}: GGUF version {version} is not supported (2 and 3 are)")
         pos = 24
         self.metadata: dict[str, object] = {}
+        self.metadata_types: dict[str, tuple[GGUFValueType, GGUFValueType | None]] = {}
         for _ in range(n_kv):
             key, pos = self._string(pos)
             (vtype,), pos = struct.unpack_from("<I", buf, pos), pos + 4
-            self.metadata[key], pos = self._value(GGUFValueType(vtype), pos)
+            vtype = GGUFValueType(vtype)
+            item_type = GGUFValueType(struct.unpack_from("<I", buf, pos)[0]) if vtype == GGUFValueType.ARRAY else None
+            self.metadata_types[key] = (vtype, item_type)
+            self.metadata[key], pos = self._value(vtype, pos)
 
         table = []
         for _ in range(n_tensors):

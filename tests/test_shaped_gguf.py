@@ -1,0 +1,192 @@
+"""`bench shaped-gguf`: Qwen2.5-shaped GGUF files with random weights in llama.cpp's Q4_K_M type mix. Reduced shapes
+are written with a tiny tokenizer (quick) and with the bundled one (slow); the real shapes' type plans are checked
+without writing them. The expected types are spelled out here layer by layer, from llama.cpp's rule (attn_v and
+ffn_down in Q6_K on the first and last eighth of the layers and every third one between, the LM head in Q6_K,
+the embedding in Q6_K where it is the LM head), not computed by the code under test."""
+import math
+from collections import Counter
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from helpers import save_gguf, tiny_hf_model
+
+from qwenserve import LLM, SamplingParams
+from qwenserve.benchmarks.shaped_gguf import SHAPES, ModelShape, tensor_plan, write_shaped_gguf
+from qwenserve.entrypoints.cli.main import main
+from qwenserve.model.loader.gguf_file import GGUFFile
+
+# layers whose attn_v and ffn_down llama.cpp's Q4_K_M gives Q6_K, by layer count (worked out by hand)
+MORE_BITS = {
+    4: {2, 3},  # n/8 = 0, 7n/8 = 3; (i - 0) % 3 == 2 picks 2
+    16: {0, 1, 4, 7, 10, 13, 14, 15},  # n/8 = 2, 7n/8 = 14
+    28: {0, 1, 2, 5, 8, 11, 14, 17, 20, 23, 24, 25, 26, 27},  # n/8 = 3, 7n/8 = 24
+    36: {0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 30, 31, 32, 33, 34, 35},  # n/8 = 4, 7n/8 = 31
+}
+SMALL = ModelShape("tiny", hidden_size=256, num_layers=16, num_heads=4, num_kv_heads=2, intermediate_size=512,
+                   tied_embeddings=True)
+SMALL_UNTIED = ModelShape("tiny", hidden_size=256, num_layers=4, num_heads=2, num_kv_heads=1, intermediate_size=512,
+                          tied_embeddings=False)
+Q4_K, Q6_K, F32 = "Q4_K", "Q6_K", "F32"
+
+
+def expected_types(shape: ModelShape, vocab: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """name -> (type, torch-order shape) of every tensor a Qwen2 Q4_K_M file of `shape` holds."""
+    h, kv, ff = shape.hidden_size, shape.num_kv_heads * (shape.hidden_size // shape.num_heads), shape.intermediate_size
+    want = {"token_embd.weight": (Q6_K if shape.tied_embeddings else Q4_K, (vocab, h)),
+            "output_norm.weight": (F32, (h,))}
+    if not shape.tied_embeddings:
+        want["output.weight"] = (Q6_K, (vocab, h))
+    for i in range(shape.num_layers):
+        more = Q6_K if i in MORE_BITS[shape.num_layers] else Q4_K
+        want |= {f"blk.{i}.attn_q.weight": (Q4_K, (h, h)), f"blk.{i}.attn_k.weight": (Q4_K, (kv, h)),
+                 f"blk.{i}.attn_v.weight": (more, (kv, h)), f"blk.{i}.attn_output.weight": (Q4_K, (h, h)),
+                 f"blk.{i}.ffn_gate.weight": (Q4_K, (ff, h)), f"blk.{i}.ffn_up.weight": (Q4_K, (ff, h)),
+                 f"blk.{i}.ffn_down.weight": (more, (h, ff)),
+                 f"blk.{i}.attn_q.bias": (F32, (h,)), f"blk.{i}.attn_k.bias": (F32, (kv,)),
+                 f"blk.{i}.attn_v.bias": (F32, (kv,)),
+                 f"blk.{i}.attn_norm.weight": (F32, (h,)), f"blk.{i}.ffn_norm.weight": (F32, (h,))}
+    return want
+
+
+def read_with_gguf(path: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """gguf's own reader (not ours): name -> (type, torch-order shape)."""
+    reader = gguf.GGUFReader(path)
+    return {t.name: (t.tensor_type.name, tuple(int(d) for d in reversed(t.shape))) for t in reader.tensors}
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer_gguf(tmp_path_factory):
+    """A qwen2 GGUF with a 320-token byte-level BPE: the tokenizer the quick tests copy."""
+    return save_gguf(tiny_hf_model(seed=5), str(tmp_path_factory.mktemp("src") / "tokenizer.gguf"))
+
+
+@pytest.fixture(scope="module")
+def small_file(tiny_tokenizer_gguf, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("shaped") / "small.gguf")
+    write_shaped_gguf(SMALL, path, seed=3, tokenizer_gguf=tiny_tokenizer_gguf)
+    return path
+
+
+@pytest.mark.parametrize("shape", [SMALL, SMALL_UNTIED], ids=["tied", "untied"])
+def test_every_tensor_has_the_q4_k_m_type_and_shape(shape, tiny_tokenizer_gguf, tmp_path):
+    path = str(tmp_path / "m.gguf")
+    result = write_shaped_gguf(shape, path, seed=1, tokenizer_gguf=tiny_tokenizer_gguf)
+    want = expected_types(shape, vocab=320)
+    got = read_with_gguf(path)
+    assert got == want
+    assert result["tensor_types"] == dict(Counter(t for t, _ in want.values()))
+    q6 = sum(t == Q6_K for t, _ in want.values())
+    assert q6 == 2 * len(MORE_BITS[shape.num_layers]) + 1  # v and down on those layers, and the LM head
+
+
+@pytest.mark.parametrize("name", ["1.5b", "3b", "7b"])
+def test_the_real_shapes_plan_the_q4_k_m_types(name):
+    shape = SHAPES[name]
+    plan = {t.name: (t.ggml_type.name, t.shape) for t in tensor_plan(shape, vocab_size=151936)}
+    assert plan == expected_types(shape, vocab=151936)
+    weights = sum(math.prod(t.shape) for t in tensor_plan(shape, 151936) if len(t.shape) == 2)
+    # the published parameter counts: 1.54B, 3.09B, 7.62B (an untied 7B counts its LM head)
+    assert round(weights / 1e9, 1) == {"1.5b": 1.5, "3b": 3.1, "7b": 7.6}[name]
+
+
+def test_metadata_is_the_sources_with_the_shape_and_name_replaced(small_file, tiny_tokenizer_gguf):
+    written, source = GGUFFile(small_file).metadata, GGUFFile(tiny_tokenizer_gguf).metadata
+    for key, value in source.items():
+        if key.startswith("tokenizer.") or key in ("general.architecture", "general.alignment"):
+            assert written[key] == value, key
+    assert written["qwen2.block_count"] == 16 and written["qwen2.embedding_length"] == 256
+    assert written["qwen2.feed_forward_length"] == 512 and written["qwen2.context_length"] == 32768
+    assert written["qwen2.attention.head_count"] == 4 and written["qwen2.attention.head_count_kv"] == 2
+    assert written["qwen2.rope.freq_base"] == 1e6
+    assert written["qwen2.attention.layer_norm_rms_epsilon"] == pytest.approx(1e-6)
+    assert written["general.file_type"] == gguf.LlamaFileType.MOSTLY_Q4_K_M
+    assert "random weights" in written["general.name"]
+
+
+def test_weights_have_a_trained_models_spread(small_file):
+    f = GGUFFile(small_file)
+    for name in ("blk.0.ffn_up.weight", "blk.0.attn_v.weight", "token_embd.weight"):  # Q4_K, Q6_K, Q6_K
+        info = f.tensors[name]
+        w = gguf.quants.dequantize(f.raw(name).reshape(info.shape[0], -1), info.ggml_type)
+        assert np.isfinite(w).all()
+        assert 0.018 < w.std() < 0.022, (name, w.std())
+        assert abs(w.mean()) < 0.002, (name, w.mean())
+
+
+def test_the_same_seed_writes_the_same_bytes(small_file, tiny_tokenizer_gguf, tmp_path):
+    again, other = str(tmp_path / "again.gguf"), str(tmp_path / "other.gguf")
+    write_shaped_gguf(SMALL, again, seed=3, tokenizer_gguf=tiny_tokenizer_gguf)
+    write_shaped_gguf(SMALL, other, seed=4, tokenizer_gguf=tiny_tokenizer_gguf)
+    first = open(small_file, "rb").read()
+    assert open(again, "rb").read() == first
+    assert open(other, "rb").read() != first and len(open(other, "rb").read()) == len(first)
+
+
+def greedy_with_logits(path: str, prompt):
+    llm = LLM(path, quantization="gguf", dtype="bfloat16", kv_cache_memory="16MiB", record_logits=True)
+    assert llm.engine.resolved_model.quantization == "gguf"
+    out = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0))[0].outputs[0]
+    return llm, out
+
+
+def test_qwenserve_runs_the_file_on_its_blocks(ops, small_file):
+    llm, out = greedy_with_logits(small_file, {"prompt_token_ids": [5, 77, 120, 9]})
+    assert llm.engine.resolved_model.config.tie_word_embeddings  # no output.weight: the head is the embedding
+    assert len(out.token_ids) == 4 and len(out.logits) == 4
+    for token, logits in zip(out.token_ids, out.logits):
+        assert torch.isfinite(logits).all()
+        assert logits.std() > 0.05  # random weights give spread logits, not a collapsed or zeroed output
+        assert token == int(logits.argmax())
+
+
+def small_without_tokenizer(tmp_path) -> str:
+    path = str(tmp_path / "no-tokenizer.gguf")
+    writer = gguf.GGUFWriter(path, "qwen2")
+    writer.add_block_count(1)
+    writer.add_tensor("output_norm.weight", np.ones(256, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_bad_shapes_and_sources_are_named(tiny_tokenizer_gguf, tmp_path, small_file):
+    with pytest.raises(ValueError, match="hidden_size 896 is not a multiple of 256"):
+        ModelShape("x", 896, 2, 14, 2, 4864, True)
+    with pytest.raises(ValueError, match="num_heads 12 is not a multiple of num_kv_heads 5"):
+        ModelShape("x", 1536, 2, 12, 5, 8960, True)
+    with pytest.raises(ValueError, match="num_layers must be a positive integer"):
+        ModelShape("x", 256, 0, 2, 1, 512, True)
+    with pytest.raises(FileExistsError, match="exists; pass --overwrite"):
+        write_shaped_gguf(SMALL, small_file, tokenizer_gguf=tiny_tokenizer_gguf)
+    with pytest.raises(ValueError, match="seed must be a non-negative integer, got -1"):
+        write_shaped_gguf(SMALL, str(tmp_path / "x.gguf"), seed=-1, tokenizer_gguf=tiny_tokenizer_gguf)
+    with pytest.raises(ValueError, match="--tokenizer-gguf .*missing.gguf is not a file"):
+        write_shaped_gguf(SMALL, str(tmp_path / "x.gguf"), tokenizer_gguf=str(tmp_path / "missing.gguf"))
+    with pytest.raises(ValueError, match="no tokenizer"):
+        write_shaped_gguf(SMALL, str(tmp_path / "x.gguf"), tokenizer_gguf=small_without_tokenizer(tmp_path))
+    assert main(["bench", "shaped-gguf", "--shape", "1.5b", "--output", str(tmp_path / "x.bin")]) == 2
+    assert main(["bench", "shaped-gguf", "--shape", "1.5b", "--output", small_file,
+                 "--tokenizer-gguf", tiny_tokenizer_gguf]) == 2
+    assert [p.name for p in tmp_path.iterdir()] == ["no-tokenizer.gguf"]  # nothing left behind
+
+
+@pytest.mark.slow
+def test_with_the_bundled_tokenizer_it_loads_and_generates(ops, tmp_path):
+    from qwenserve.model.loader.bundled import bundled_model_path
+    shape = ModelShape("tiny", hidden_size=256, num_layers=4, num_heads=2, num_kv_heads=1, intermediate_size=512,
+                       tied_embeddings=True)
+    path = str(tmp_path / "bundled-tokenizer.gguf")
+    write_shaped_gguf(shape, path, seed=0)
+    bundled = GGUFFile(bundled_model_path())
+    written = GGUFFile(path)
+    for key, value in bundled.metadata.items():
+        if key.startswith("tokenizer."):
+            assert written.metadata[key] == value and written.metadata_types[key] == bundled.metadata_types[key], key
+    assert read_with_gguf(path) == expected_types(shape, vocab=151936)
+    _, out = greedy_with_logits(path, "def fibonacci(n):")
+    assert len(out.token_ids) == 4 and all(torch.isfinite(logits).all() for logits in out.logits)
+    assert isinstance(out.text, str)
