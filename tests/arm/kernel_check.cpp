@@ -249,22 +249,19 @@ void check_dot8(const Case<Kernel>& c) {
 }
 
 #if QS_ARM_I8MM
+// mm_tiles over m activation rows (its decode of each group and its sweep of the rows, two at a time)
 template <typename Kernel>
 void check_tiles(const Case<Kernel>& c, int64_t m) {
   const Layout decode{c.decode.data(), c.nb * Kernel::kBytes, kDecodeGroup, Kernel::kBytes};
-  std::vector<typename qwenserve::cpu::ggml::arm::TileGroup<Kernel>::Block> tile(static_cast<size_t>(c.nb));
-  std::vector<float> got(static_cast<size_t>(m * 8));
-  for (int64_t g = 0; g < c.n / 8; ++g) {
-    qwenserve::cpu::ggml::arm::decode_tile_group<Kernel>(decode.row(8 * g), c.nb, tile.data());
-    qwenserve::cpu::ggml::arm::tile_rows<Kernel>(tile.data(), c.nb, c.act.data(), m,
-                                                 reinterpret_cast<float(*)[8]>(got.data()));
-    for (int64_t k = 0; k < 8; ++k)
-      for (int64_t i = 0; i < m; ++i) {
-        float want[1];
-        c.template reference<1>(8 * g + k, i, want);
-        c.check("tile_rows (i8mm)", 8 * g + k, i, static_cast<int>(m), got[i * 8 + k], want[0]);
-      }
-  }
+  std::vector<float> out(static_cast<size_t>(m * c.n));
+  qwenserve::cpu::ggml::arm::mm_tiles<Kernel, float>(out.data(), c.n, 1, c.act.data(), m, c.nb, decode, c.n,
+                                                     nullptr);
+  for (int64_t row = 0; row < c.n; ++row)
+    for (int64_t i = 0; i < m; ++i) {
+      float want[1];
+      c.template reference<1>(row, i, want);
+      c.check("mm_tiles (i8mm)", row, i, static_cast<int>(m), out[static_cast<size_t>(i * c.n + row)], want[0]);
+    }
 }
 #endif
 

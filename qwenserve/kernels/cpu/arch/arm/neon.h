@@ -258,8 +258,10 @@ void dequantize_block(int64_t type, const uint8_t* b, T* out) {
       uint8_t sc[8], mn[8];
       unpack_scales_mins(b + 4, sc, mn);
       const float d = fp16_at(b), dmin = fp16_at(b + 2);
-      for (int s = 0; s < 8; ++s)  // d sc q - dmin m: the product exact, the subtraction the one rounding
-        store_scaled<true>(q + 2 * s, 2, d * static_cast<float>(sc[s]), -(dmin * static_cast<float>(mn[s])), out + 32 * s);
+      for (int s = 0; s < 8; ++s) {  // d sc q - dmin m: the product exact, the subtraction the one rounding
+        const float scale = d * static_cast<float>(sc[s]), min = dmin * static_cast<float>(mn[s]);
+        store_scaled<true>(q + 2 * s, 2, scale, -min, out + 32 * s);
+      }
       break;
     }
     case kQ6_K: {
