@@ -28,12 +28,15 @@ QEMU = "qemu-aarch64"
 SYSROOT = "/usr/aarch64-linux-gnu"  # Debian's aarch64 runtime, where qemu finds the loader and libraries
 MISSING_TOOL = "{} not found: scripts/ensure_arm_tools.sh installs g++-aarch64-linux-gnu and qemu-user"
 
-# name: (compiler flags, the emulated CPU: one without the features the build leaves out, so an instruction the
-# flags do not allow stops the run; the host's /proc/cpuinfo features the build needs when native)
+OBJDUMP = "objdump" if NATIVE else "aarch64-linux-gnu-objdump"
+
+# name: (compiler flags; the emulated CPU: one without the features the build leaves out, so an instruction the
+# flags do not allow stops the run; the host's /proc/cpuinfo features the build needs when native; the
+# instructions its kernels must contain)
 FEATURE_SETS = {
-    "armv8": ("-march=armv8-a", "cortex-a53", set()),
-    "armv8_dotprod": ("-march=armv8.2-a+dotprod", "cortex-a76", {"asimddp"}),
-    "armv8_i8mm": ("-march=armv8.6-a+dotprod+i8mm", "max", {"asimddp", "i8mm"}),
+    "armv8": ("-march=armv8-a", "cortex-a53", set(), []),
+    "armv8_dotprod": ("-march=armv8.2-a+dotprod", "cortex-a76", {"asimddp"}, ["sdot"]),
+    "armv8_i8mm": ("-march=armv8.6-a+dotprod+i8mm", "max", {"asimddp", "i8mm"}, ["sdot", "smmla"]),
 }
 
 
@@ -81,9 +84,10 @@ def _build(name: str, flags: str) -> Path:
 def test_arm_kernels_match_the_reference(name):
     """Every ARM kernel this feature set builds gives the reference's results: bit for bit where the float sums
     are exact by construction, within the float summation's rounding bound otherwise (kernel_check.cpp says
-    why); an emulated CPU without the instructions the flags leave out runs the build."""
+    why). An emulated CPU without the instructions the flags leave out runs the build, and the build contains
+    the instructions they allow (sdot, smmla)."""
     _require_tools()
-    flags, emulated_cpu, host_features = FEATURE_SETS[name]
+    flags, emulated_cpu, host_features, instructions = FEATURE_SETS[name]
     if NATIVE:
         cpuinfo = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
         missing = host_features - set(cpuinfo)
@@ -94,6 +98,11 @@ def test_arm_kernels_match_the_reference(name):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{name}: the ARM kernels disagree with the reference:\n{proc.stderr[-6000:]}"
     assert "agree with the reference" in proc.stdout
+    if shutil.which(OBJDUMP) is not None:  # the feature macros chose the kernels the flags allow
+        listing = subprocess.run([OBJDUMP, "-d", str(binary)], capture_output=True, text=True, timeout=300).stdout
+        words = set(listing.split())
+        for instruction in instructions:
+            assert instruction in words, f"{name}: the build has no {instruction} instruction"
 
 
 def test_dispatch_compiles_for_arm():

@@ -13,7 +13,8 @@
 // with the bundled model's weights from memory, 1.0x (Q6_K) to 1.5x (Q5_0) the speed of row by row in the file's
 // layout. With AVX512-VNNI, from 4 activation rows a group of 8 weight rows is decoded once per call and swept by
 // all activation rows, 16 at a time (mm_tiles); from 16 activation rows, groups of 16 weight rows, one per int32
-// lane (mm_tiles16).
+// lane (mm_tiles16). On ARM with i8mm the same from 4 activation rows: a group of 8 weight rows decoded once per
+// call into smmla's operands and swept by the activation rows two at a time (arch/arm/i8mm.h).
 //
 // Where the kernels live (the include path is cpu/):
 //   ggml/common.h          block layouts, activation blocks, kernel types, row layouts

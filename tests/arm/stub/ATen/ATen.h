@@ -75,11 +75,11 @@ inline void append(std::ostringstream& out, const T& first, const Rest&... rest)
 }
 }  // namespace qwenserve_check_stub
 
-#define TORCH_CHECK(cond, ...)                                              \
-  do {                                                                      \
-    if (!(cond)) {                                                          \
-      std::ostringstream torch_check_message;                               \
-      qwenserve_check_stub::append(torch_check_message, "check failed: " #cond ". ", ##__VA_ARGS__);\
-      throw std::runtime_error(torch_check_message.str());                  \
-    }                                                                       \
+#define TORCH_CHECK(cond, ...)                                                                      \
+  do {                                                                                              \
+    if (!(cond)) {                                                                                  \
+      std::ostringstream torch_check_message;                                                       \
+      qwenserve_check_stub::append(torch_check_message, "check failed: " #cond ". ", ##__VA_ARGS__); \
+      throw std::runtime_error(torch_check_message.str());                                          \
+    }                                                                                               \
   } while (0)
