@@ -77,6 +77,9 @@ def _build(name: str, flags: str) -> Path:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"building the ARM kernel check ({flags}) failed:\n{proc.stderr[-6000:]}"
     partial.rename(binary)
+    for stale in _cache_dir().glob(f"kernel_check_{name}_*"):  # builds of earlier sources
+        if stale != binary and "." not in stale.name:
+            stale.unlink(missing_ok=True)
     return binary
 
 
@@ -120,4 +123,6 @@ def test_dispatch_compiles_for_arm():
            str(CPU / "ggml" / "dispatch.cpp")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"dispatch.cpp does not compile for aarch64 ({flags}):\n{proc.stderr[-6000:]}"
+    for stale in _cache_dir().glob("dispatch_*.ok"):
+        stale.unlink(missing_ok=True)
     stamp.touch()
