@@ -13,7 +13,8 @@
 //           (|w| + 2 |min|) |a| (a bound on the sum of the magnitudes of the terms both sides add: the rounding
 //           bound of a sum of 2 nb products on each side). One unit of a block's integer sum moves the result by
 //           |d a.d|, well above that tolerance at these sizes, so a wrong integer still fails.
-// Dequantizing and the activation quantizers must agree bit for bit.
+// Dequantizing and the activation quantizers must agree bit for bit, and fp16_at, which both sides read the
+// scales with, must read every fp16 code as the format defines it.
 
 #include <cmath>
 #include <cstdint>
@@ -371,10 +372,28 @@ void check_quantizers(const char* dtype) {
     }
 }
 
+// fp16_at (which kernels and reference share) against the fp16 format decoded by hand, for every finite code
+void check_fp16() {
+  for (uint32_t bits = 0; bits < 0x10000; ++bits) {
+    const int exponent = (bits >> 10) & 31, mantissa = bits & 1023;
+    if (exponent == 31) continue;
+    const float magnitude = exponent == 0 ? std::ldexp(static_cast<float>(mantissa), -24)
+                                          : std::ldexp(static_cast<float>(1024 + mantissa), exponent - 25);
+    const float want = bits & 0x8000 ? -magnitude : magnitude;
+    const uint8_t code[2] = {static_cast<uint8_t>(bits & 0xFF), static_cast<uint8_t>(bits >> 8)};
+    if (bits_of(fp16_at(code)) != bits_of(want)) {
+      char line[120];
+      std::snprintf(line, sizeof(line), "fp16_at(0x%04x): %.9g, the format says %.9g", bits, fp16_at(code), want);
+      fail(line);
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   if (argc > 1) rng.seed(std::strtoull(argv[1], nullptr, 10));
+  check_fp16();
   check_type<LegacyUnsigned<kQ4_0>>();
   check_type<LegacyUnsigned<kQ4_1>>();
   check_type<LegacyUnsigned<kQ5_0>>();
