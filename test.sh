@@ -7,4 +7,5 @@ set -euo pipefail
 cd "$(dirname "$0")"
 bash scripts/ensure_venv.sh
 bash scripts/ensure_browser.sh  # the Chromium tests/test_web_ui.py drives (a no-op once installed)
+bash scripts/ensure_arm_tools.sh  # the aarch64 cross-compiler and qemu tests/test_arm_kernels.py use (likewise)
 exec .venv/bin/python -m pytest -q "$@"

@@ -3,12 +3,14 @@
 // machine has; a source tests `#if QS_X86_AVX2` and never `__AVX2__` itself, so the meaning of a feature class
 // (such as "AVX2 comes with FMA and F16C") is decided here once for every op family.
 //
-// x86 kernels live under arch/x86/; an ARM port adds its QS_ARM_* macros (NEON, dotprod, i8mm) below and its
-// kernels under arch/arm/.
+// x86 kernels live under arch/x86/, ARM (aarch64) kernels under arch/arm/.
 #pragma once
 
 #if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
 #include <immintrin.h>
+#endif
+#if defined(__aarch64__) && defined(__ARM_NEON)
+#include <arm_neon.h>
 #endif
 
 // fp16 <-> fp32 conversion instructions
@@ -63,4 +65,28 @@
 #define QS_X86_AVX512_BF16 1
 #else
 #define QS_X86_AVX512_BF16 0
+#endif
+
+// AArch64 Advanced SIMD (NEON), which every aarch64 CPU has, with its fp16 <-> fp32 conversions: the ARM ggml
+// kernels (arch/arm/), whose integer dot products fall back to widening multiplies without dotprod
+#if defined(__aarch64__) && defined(__ARM_NEON)
+#define QS_ARM_NEON 1
+#else
+#define QS_ARM_NEON 0
+#endif
+
+// the int8 dot product instructions (sdot: 4 s8 x s8 products into each int32 lane; Armv8.2 and later, e.g.
+// Cortex-A76, Neoverse N1, Apple M1)
+#if QS_ARM_NEON && defined(__ARM_FEATURE_DOTPROD)
+#define QS_ARM_DOTPROD 1
+#else
+#define QS_ARM_DOTPROD 0
+#endif
+
+// the int8 matrix multiply instructions (smmla: a 2x8 by 8x2 s8 product into a 2x2 int32 tile; Armv8.6, e.g.
+// Neoverse V1 / N2, Graviton3, Apple M2): the ARM ggml tile kernels for many activation rows
+#if QS_ARM_NEON && defined(__ARM_FEATURE_MATMUL_INT8)
+#define QS_ARM_I8MM 1
+#else
+#define QS_ARM_I8MM 0
 #endif

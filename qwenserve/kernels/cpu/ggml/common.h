@@ -20,6 +20,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <cstring>
 
 #include "cpu_features.h"
 #include "vec.h"
@@ -53,6 +54,10 @@ inline float fp16_at(const uint8_t* p) {
   const uint16_t h = static_cast<uint16_t>(p[0] | (p[1] << 8));
 #if QS_X86_F16C
   return _cvtsh_ss(h);
+#elif QS_ARM_NEON
+  __fp16 v;
+  std::memcpy(&v, &h, 2);
+  return static_cast<float>(v);
 #else
   return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
 #endif

@@ -13,7 +13,8 @@
 // with the bundled model's weights from memory, 1.0x (Q6_K) to 1.5x (Q5_0) the speed of row by row in the file's
 // layout. With AVX512-VNNI, from 4 activation rows a group of 8 weight rows is decoded once per call and swept by
 // all activation rows, 16 at a time (mm_tiles); from 16 activation rows, groups of 16 weight rows, one per int32
-// lane (mm_tiles16).
+// lane (mm_tiles16). On ARM with i8mm the same from 4 activation rows: a group of 8 weight rows decoded once per
+// call into smmla's operands and swept by the activation rows two at a time (arch/arm/i8mm.h).
 //
 // Where the kernels live (the include path is cpu/):
 //   ggml/common.h          block layouts, activation blocks, kernel types, row layouts
@@ -22,8 +23,13 @@
 //   arch/x86/avx512.h      the AVX-512 activation quantizer and decode kernel of the 4-bit 32-blocks
 //   arch/x86/vnni_tiles.h  the AVX512-VNNI tile kernels for many activation rows
 //   arch/x86/dequantize.h  x86 block dequantizing
-// Another CPU family adds arch/<family>/ (arch/arm/: NEON, dotprod) with its feature macros in cpu_features.h,
-// and a branch beside each x86 one below.
+//   arch/arm/neon.h        aarch64 NEON block decoders, activation quantizers and block dequantizing
+//   arch/arm/dotprod.h     aarch64 dot products (sdot where the CPU has dotprod; one row, and 8 rows of the
+//                          decode layout)
+//   arch/arm/i8mm.h        the aarch64 i8mm (smmla) tile kernel for many activation rows
+// Each CPU family has its arch/<family>/ with its feature macros in cpu_features.h, and a branch below beside
+// each other family's. The ARM kernels are tested under emulation (tests/test_arm_kernels.py); their speed is
+// unmeasured.
 
 #include <ATen/Parallel.h>
 
@@ -42,6 +48,10 @@
 #include "arch/x86/avx512.h"
 #include "arch/x86/dequantize.h"
 #include "arch/x86/vnni_tiles.h"
+#elif QS_ARM_NEON
+#include "arch/arm/dotprod.h"
+#include "arch/arm/i8mm.h"
+#include "arch/arm/neon.h"
 #endif
 
 // The activation dtypes both entry points take (they reject any other before dispatching)
@@ -61,12 +71,20 @@ template <typename T>
 void quantize_row(const T* x, int64_t K, ActQ8_0* y) {
 #if QS_X86_AVX512BW
   x86::quantize_row_q8_0(x, K / 32, y);
+#elif QS_ARM_NEON
+  arm::quantize_row_q8_0(x, K / 32, y);
 #else
   ref::quantize_row_q8_0(x, K / 32, y);
 #endif
 }
 template <typename T>
-void quantize_row(const T* x, int64_t K, ActQ8_K* y) { ref::quantize_row_q8_K(x, K / 256, y); }
+void quantize_row(const T* x, int64_t K, ActQ8_K* y) {
+#if QS_ARM_NEON
+  arm::quantize_row_q8_K(x, K / 256, y);
+#else
+  ref::quantize_row_q8_K(x, K / 256, y);
+#endif
+}
 
 // x [M, K] -> `levels` quantized rows per row, one after the other. Level 2 quantizes what the first row's codes
 // left (x - d q, in float32), so that the pair's two dot products together see about 15 bits of each activation
@@ -99,6 +117,8 @@ inline void dot_rows(const uint8_t* w, int64_t bstride, int64_t nb, const typena
                      float* res) {
 #if QS_X86_AVX2
   x86::dot_rows<Kernel, R>(w, bstride, nb, y, res);
+#elif QS_ARM_NEON
+  arm::dot_rows<Kernel, R>(w, bstride, nb, y, res);
 #else
   ref::dot_rows<Kernel, R>(w, bstride, nb, y, res);
 #endif
@@ -115,6 +135,11 @@ void decode_group(const uint8_t* w, int64_t nb, const typename Kernel::Act* cons
   }
 #endif
   x86::dot8<Kernel, R>(w, nb, y, res);
+}
+#elif QS_ARM_NEON
+template <typename Kernel, int R>
+void decode_group(const uint8_t* w, int64_t nb, const typename Kernel::Act* const* y, float (*res)[8]) {
+  arm::dot8<Kernel, R>(w, nb, y, res);
 }
 #endif
 
@@ -136,8 +161,13 @@ void mm_quantized(T* out, int64_t ldo, int64_t levels, const std::vector<typenam
       return;
     }
   }
+#elif QS_ARM_I8MM
+  if (w.group == kDecodeGroup && M >= arm::kTileMinRows) {
+    arm::mm_tiles<Kernel>(out, ldo, levels, act.data(), M, nb, w, N, bias);
+    return;
+  }
 #endif
-#if QS_X86_AVX2
+#if QS_X86_AVX2 || QS_ARM_NEON
   if (w.group == kDecodeGroup) {  // a group of 8 weight rows at a time, against up to 4 activation rows
     at::parallel_for(0, N / 8, 2, [&](int64_t g0, int64_t g1) {
       for (int64_t g = g0; g < g1; ++g)
@@ -208,6 +238,8 @@ void dequantize_impl(const Layout& w, int64_t type, int64_t rows, int64_t cols, 
         const uint8_t* blk = w.row(r) + b * w.block_stride();
 #if QS_X86_AVX2
         x86::dequantize_block(type, blk, o);
+#elif QS_ARM_NEON
+        arm::dequantize_block(type, blk, o);
 #else
         if constexpr (std::is_same_v<T, float>) {
           ref::dequantize_block(type, blk, o);
