@@ -70,11 +70,11 @@ class Worker:
     def init_kv_cache(self, num_blocks: int) -> None:
         num_layers, block_size, num_kv_heads, head_dim = self._kv_shape
         per_block = PagedKVCache.bytes_per_block(*self._kv_shape, self._kv_dtype)
-        logger.info("KV cache: %d blocks of %d tokens = %d tokens max, %d bytes reserved (%.2f GiB, %s%s); pages "
+        logger.info("KV cache: %d blocks of %d tokens = %d tokens max (%s%s), %d bytes reserved (%.2f GiB); pages "
                     "become resident as blocks are first used", num_blocks, block_size, num_blocks * block_size,
-                    num_blocks * per_block, num_blocks * per_block / (1 << 30),
                     str(self._kv_dtype).removeprefix("torch."),
-                    " codes, per-token scales" if self._kv_dtype != self.model.dtype else "")
+                    " codes, per-token scales" if self._kv_dtype != self.model.dtype else "",
+                    num_blocks * per_block, num_blocks * per_block / (1 << 30))
         self.kv_cache = PagedKVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, self._kv_dtype,
                                      self.device)
         with use_cpu_kernels(self.config.load.cpu_kernels):
