@@ -5,13 +5,16 @@ keys). sha256 makes a hit collision-safe. Blocks nobody references stay in a fre
 reused by a later request with the same prefix until allocation evicts it (least recently freed first).
 The manager knows sequences only as holders of a block table; it never sees tensors.
 
-Which block a sequence gets: a block that was used before, if any is free, then the lowest block id never used.
-The worker's cache pages become resident only when a block is first written, so the blocks ever handed out
-(`num_touched`, always ids 0 .. num_touched - 1) are the cache's resident memory, and they never exceed the most
-blocks live at once. Evicting a cached prefix rather than touching a fresh block is deliberate: the prefix cache
-keeps what the peak traffic left free, and resident memory follows that peak instead of growing, request after
-request, to the whole reservation. Among free blocks, those holding no cached prefix go first, so eviction only
-starts once they are used up.
+Which block a sequence gets, so that resident memory follows the peak traffic, not the reservation: the worker's
+cache pages become resident only when a block is first written, so the blocks ever handed out (`num_touched`,
+always ids 0 .. num_touched - 1) are the cache's resident memory. In order:
+1. a used block holding no cached prefix (reusing it loses nothing);
+2. the lowest block id never used, while fewer cached prefix blocks are free than the most blocks ever live at once
+   (`peak_live`): the prefix cache may keep as much as the peak traffic used, so a burst of unrelated requests no
+   larger than the peak does not evict a prefix that is about to be asked for again;
+3. otherwise the least recently freed cached block, evicting its prefix.
+So the touched blocks never exceed twice the peak in use (once with prefix caching off), however long the
+engine runs and however large the reservation.
 """
 from __future__ import annotations
 
@@ -41,6 +44,8 @@ class KVCacheManager:
         # recently freed first; blocks num_touched and up were never handed out and are free too
         self.free: OrderedDict[int, None] = OrderedDict()
         self.num_touched = 0
+        self.num_live = 0  # blocks with ref > 0
+        self.peak_live = 0  # the most blocks ever live at once
         self.cached: dict[bytes, int] = {}  # full-block hash -> block id
         self.hits = 0  # prefix-cache statistics, in tokens
         self.queries = 0
@@ -125,19 +130,29 @@ class KVCacheManager:
         return True
 
     def _pop_free_block(self) -> int:
-        """A used block if one is free (evicting its cached prefix, if it holds one), else the next fresh id."""
-        if not self.free:
+        """The block to hand out next, in the order the module's docstring gives."""
+        front = next(iter(self.free), None)
+        keep_cached = front is not None and self.block_hash[front] is not None and len(self.free) < self.peak_live
+        if front is None or (keep_cached and self.num_touched < self.num_blocks):
+            block = self.num_touched
             self.num_touched += 1
-            return self.num_touched - 1
-        block, _ = self.free.popitem(last=False)
-        if self.block_hash[block] is not None:
-            del self.cached[self.block_hash[block]]
-            self.block_hash[block] = None
+        else:
+            del self.free[front]
+            block = front
+            if self.block_hash[block] is not None:
+                del self.cached[self.block_hash[block]]
+                self.block_hash[block] = None
+        self._went_live()
         return block
+
+    def _went_live(self) -> None:
+        self.num_live += 1
+        self.peak_live = max(self.peak_live, self.num_live)
 
     def _take(self, block: int) -> None:
         if self.ref_cnt[block] == 0:
             del self.free[block]
+            self._went_live()
         self.ref_cnt[block] += 1
 
     def _cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
@@ -171,6 +186,7 @@ class KVCacheManager:
         for block in reversed(seq.block_table):
             self.ref_cnt[block] -= 1
             if self.ref_cnt[block] == 0:
+                self.num_live -= 1
                 self.free[block] = None
                 if self.block_hash[block] is None:
                     self.free.move_to_end(block, last=False)
@@ -190,6 +206,8 @@ class KVCacheManager:
                 refs[block] += 1
         assert refs == self.ref_cnt, "reference counts differ from the live block tables"
         assert set(self.free) == {b for b in range(self.num_touched) if self.ref_cnt[b] == 0}, "free queue mismatch"
+        assert self.num_live == sum(c > 0 for c in self.ref_cnt) <= self.peak_live, "live block count mismatch"
+        assert self.num_touched <= 2 * self.peak_live, "blocks touched beyond twice the peak in use"
         fresh = range(self.num_touched, self.num_blocks)
         assert all(self.ref_cnt[b] == 0 and self.block_hash[b] is None for b in fresh), "a fresh block is in use"
         holds_prefix = [self.block_hash[b] is not None for b in self.free]
