@@ -2,7 +2,8 @@
 scheduler never leak or double-free a block, keep the worker's view of every block table (built from the
 SchedulerOutput deltas only) equal to the scheduler's, keep reference counts equal to the live block tables, and
 leave every block free or cached when nothing is live, and touch no more distinct blocks (the cache's resident
-memory) than the peak in use allows. No model runs: a step 'computes' what it scheduled. With two steps in flight (pipeline parallel), no sequence is in both, and none in flight is preempted."""
+memory) than the peak in use allows. No model runs: a step 'computes' what it scheduled. With two steps in
+flight (pipeline parallel), no sequence is in both, and none in flight is preempted."""
 import random
 from collections import deque
 

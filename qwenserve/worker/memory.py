@@ -3,10 +3,11 @@
 With kv_cache_memory "auto" (the default) a worker measures what the machine has available once every worker's
 weights are loaded, keeps a reserve for the processes (activations, the allocator's slack) and for the rest of
 the machine, and takes its share of a fraction of the rest, but never more than max_num_seqs sequences of
-max_model_len tokens could fill (the caller gives that bound). No prefix-cache allowance is added on top: the
-scheduler touches a fresh block only when every used one is live, so blocks past the most that can be live at
-once would never be handed out. The cache is reserved, not resident: its pages are backed as blocks are first
-written (model/layers/attention.py, `untouched_zeros`).
+max_model_len tokens could fill (the caller gives that bound). No prefix-cache allowance is added on top: at the
+bound every sequence slot is full to max_model_len and no new prompt could be admitted to hit a cached prefix;
+below it, the blocks not in use hold the prefix cache. The cache is reserved, not resident: its pages are backed
+as blocks are first written (model/layers/attention.py, `untouched_zeros`), and the scheduler hands out blocks so
+that those touched follow the peak traffic (core/kv_cache_manager.py).
 
 An explicit size is checked against the same measure, so a configuration that cannot fit fails at start with the
 numbers, instead of being killed by the OOM killer mid-request."""
