@@ -59,7 +59,12 @@ def test_greedy_tokens_equal_one_process(parallel_tiny, single_process_tokens, t
         assert greedy_tokens(llm) == single_process_tokens
         # a seeded sampled request draws the same tokens in every layout (the generator lives with the sampler)
         seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=8)
-        assert greedy_tokens(llm, PROMPTS[:2], seeded) == greedy_tokens(LLM(path, dtype="float32"), PROMPTS[:2], seeded)
+        one_process = LLM(path, dtype="float32")
+        assert greedy_tokens(llm, PROMPTS[:2], seeded) == greedy_tokens(one_process, PROMPTS[:2], seeded)
+        # the ranks' KV blocks (kv heads, layers) add up to one process's; their weights to at least as much
+        # (what every tensor rank holds whole, such as the norms, counts once a rank)
+        assert llm.engine.kv.bytes_per_block == one_process.engine.kv.bytes_per_block
+        assert llm.engine.weights_bytes >= one_process.engine.weights_bytes
     finally:
         llm.engine.shutdown()
     assert pids_gone([p.pid for p in llm.engine.executor._procs], timeout=5)

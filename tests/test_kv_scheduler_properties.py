@@ -1,8 +1,9 @@
 """Property-based: random interleavings of add / step / abort / finish on the KV cache manager and the
 scheduler never leak or double-free a block, keep the worker's view of every block table (built from the
 SchedulerOutput deltas only) equal to the scheduler's, keep reference counts equal to the live block tables, and
-leave every block free or cached when nothing is live. No model runs: a step 'computes' what it scheduled.
-With two steps in flight (pipeline parallel), no sequence is in both, and none in flight is preempted."""
+leave every block free or cached when nothing is live, and touch no more distinct blocks (the cache's resident
+memory) than the peak in use allows. No model runs: a step 'computes' what it scheduled. With two steps in
+flight (pipeline parallel), no sequence is in both, and none in flight is preempted."""
 import random
 from collections import deque
 
@@ -43,6 +44,14 @@ class Harness:
         self.ids = 0
         self.rng = random.Random(0)
         self.resumptions = 0  # sequences run again after a preemption
+        self.peak_live_blocks = 0  # the most blocks held at once, measured after every allocation
+        allocate = self.kv.allocate
+
+        def allocate_and_measure(*args):
+            allocated = allocate(*args)
+            self.peak_live_blocks = max(self.peak_live_blocks, self.kv.num_blocks - self.kv.num_free_blocks)
+            return allocated
+        self.kv.allocate = allocate_and_measure
 
     def live(self):
         return [s for seqs in self.requests.values() for s in seqs if not s.finished]
@@ -128,6 +137,13 @@ class Harness:
 
     def check(self):
         self.kv.check_invariants(self.live())
+        # a fresh block is touched only when no used block is free (without prefix caching), or while the free
+        # ones, all cached, are fewer than the peak in use: the touched ids follow the peak
+        assert self.kv.peak_live == self.peak_live_blocks
+        if self.kv.enable_prefix_caching:
+            assert self.kv.num_touched <= 2 * self.peak_live_blocks, "blocks were touched beyond twice the peak"
+        else:
+            assert self.kv.num_touched == self.peak_live_blocks, "blocks were touched beyond the peak in use"
         for seq in self.live():
             assert seq.status in (Status.WAITING, Status.RUNNING)
         for seq in self.sched.waiting:

@@ -196,6 +196,13 @@ def test_metrics_count_requests(client, server):
         before, "qwenserve_time_to_first_token_seconds_count")
     assert _metric(after, "qwenserve_num_requests_running") == 0
     assert _metric(after, "qwenserve_kv_cache_usage_perc") == 0  # nothing live: every block free or cached
+    # memory: the weights, the KV cache reserved (8 MiB), and the blocks ever used, a whole number of them
+    engine = server[1].engine
+    assert _metric(after, "qwenserve_model_weights_bytes") == engine.weights_bytes > 0
+    assert _metric(after, "qwenserve_kv_cache_reserved_bytes") == engine.kv.reserved_bytes
+    assert engine.kv.reserved_bytes > 8 * (1 << 20) - engine.kv.bytes_per_block
+    touched = _metric(after, "qwenserve_kv_cache_touched_bytes")
+    assert touched == engine.kv.num_touched * engine.kv.bytes_per_block and 0 < touched < engine.kv.reserved_bytes
     for name in ("qwenserve_num_requests_waiting", "qwenserve_prefix_cache_hit_rate",
                  "qwenserve_num_aborted_requests_total", "qwenserve_prompt_tokens_total",
                  "qwenserve_time_per_output_token_seconds_count", "qwenserve_e2e_request_latency_seconds_count"):

@@ -95,8 +95,11 @@ class CacheConfig:
     kv_cache_memory: int | str = setting("auto", "KV cache memory of each worker process, e.g. 2GiB or bytes, or "
                                                  "auto: half of the memory available once the weights are loaded "
                                                  "(less 1 GiB kept for the processes), shared by this host's "
-                                                 "workers; a tensor-parallel rank fills it with its share of the kv "
-                                                 "heads (as vLLM gives each GPU its own) (default: auto)", type=str)
+                                                 "workers, at most what max_num_seqs sequences of max_model_len "
+                                                 "tokens fill; a tensor-parallel rank fills it with its share of the "
+                                                 "kv heads (as vLLM gives each GPU its own). Reserved, not resident: "
+                                                 "a block's pages take memory once it is first used (default: auto)",
+                                         type=str)
     enable_prefix_caching: bool = setting(True, "reuse KV blocks of repeated prompt prefixes (default: on)")
     kv_cache_dtype: str = setting("auto", "KV cache storage: auto (the model's dtype), int8, fp8_e4m3 or fp8_e5m2 "
                                           "(one byte a value plus a scale per token and head: about twice the "

@@ -194,7 +194,8 @@ class DataParallelEngine:
             per_replica.append(stats | {"alive": ok, "routed": self.num_routed[rank]})
         live = [s for s in per_replica if s["alive"]] or per_replica
         total = {key: sum(s[key] for s in live) for key in ("running", "waiting", "aborted", "free_blocks",
-                                                            "num_blocks", "prefix_hit_tokens", "prefix_query_tokens")}
+                                                            "num_blocks", "prefix_hit_tokens", "prefix_query_tokens",
+                                                            "weights_bytes", "kv_reserved_bytes", "kv_touched_bytes")}
         total["kv_usage"] = 1 - total["free_blocks"] / total["num_blocks"] if total["num_blocks"] else 0.0
         queries = total["prefix_query_tokens"]
         total["hit_rate"] = total["prefix_hit_tokens"] / queries if queries else 0.0

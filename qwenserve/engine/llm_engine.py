@@ -25,6 +25,7 @@ from qwenserve.model.loader.resolve import load_tokenizer, resolve_model
 from qwenserve.sample.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+GiB = 1 << 30
 GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
@@ -62,7 +63,12 @@ class LLMEngine:
         self.executor = make_executor(config, replica_rank)
         self.kv_cache_budget = self.executor.kv_cache_budget  # bytes per worker ("auto" resolved)
         self.kv = KVCacheManager(self.executor.num_kv_blocks, config.cache.block_size,
-                                 config.cache.enable_prefix_caching)
+                                 config.cache.enable_prefix_caching, self.executor.kv_block_bytes)
+        self.weights_bytes = self.executor.weights_bytes
+        logger.info("memory: weights %d bytes (%.2f GiB); KV cache %d blocks reserved, %d bytes (%.2f GiB), its "
+                    "pages touched as blocks are first used, so resident memory grows with the traffic",
+                    self.weights_bytes, self.weights_bytes / GiB, self.kv.num_blocks, self.kv.reserved_bytes,
+                    self.kv.reserved_bytes / GiB)
         self.scheduler = Scheduler(self.kv, config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
                                    self.executor.max_concurrent_batches, config.scheduler.pipelined_step_tokens)
         self._in_flight: deque[SchedulerOutput] = deque()  # submitted steps, oldest first
@@ -173,7 +179,9 @@ class LLMEngine:
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "kv_usage": kv.usage, "hit_rate": kv.hits / kv.queries if kv.queries else 0.0,
                 "prefix_hit_tokens": kv.hits, "prefix_query_tokens": kv.queries,
-                "aborted": self.num_aborted, "free_blocks": kv.num_free_blocks, "num_blocks": kv.num_blocks}
+                "aborted": self.num_aborted, "free_blocks": kv.num_free_blocks, "num_blocks": kv.num_blocks,
+                "weights_bytes": self.weights_bytes, "kv_reserved_bytes": kv.reserved_bytes,
+                "kv_touched_bytes": kv.touched_bytes}
 
 
 def make_executor(config: EngineConfig, replica_rank: int = 0) -> Executor:

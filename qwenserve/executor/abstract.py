@@ -18,6 +18,8 @@ class ExecutorDeadError(RuntimeError):
 class Executor(ABC):
     num_kv_blocks: int  # KV cache blocks every worker holds (the scheduler's pool)
     kv_cache_budget: int  # bytes of KV cache each worker was given (kv_cache_memory, or what "auto" came to)
+    kv_block_bytes: int  # bytes one block id takes in all the workers' caches together
+    weights_bytes: int  # bytes of weights all the workers hold together
     max_concurrent_batches: int = 1
 
     @abstractmethod

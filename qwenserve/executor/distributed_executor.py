@@ -10,6 +10,7 @@ from abc import abstractmethod
 from qwenserve.config.engine_config import EngineConfig
 from qwenserve.distributed.layout import check_parallel_layout
 from qwenserve.executor.abstract import Executor, ExecutorDeadError
+from qwenserve.worker.memory import KVCacheFit
 
 logger = logging.getLogger(__name__)
 HEALTH_CHECK_SECONDS = 0.5  # how often a waiting engine looks for a dead or failed worker
@@ -49,14 +50,17 @@ class DistributedExecutor(Executor):
         parallel = self.config.parallel
         replicas = parallel.data_parallel_size if self.config.cache.kv_cache_memory == "auto" else 1
         fitting = self._kv_blocks_that_fit([hosts.count(host) * replicas for host in hosts])
-        num_blocks = min(blocks for blocks, _ in fitting)
-        self.kv_cache_budget = min(budget for _, budget in fitting)
+        num_blocks = min(fit.num_blocks for fit in fitting)
+        self.kv_cache_budget = min(fit.budget for fit in fitting)
+        self.kv_block_bytes = sum(fit.bytes_per_block for fit in fitting)
+        self.weights_bytes = sum(fit.weights_bytes for fit in fitting)
         self._init_kv_caches(num_blocks)
         return num_blocks
 
     @abstractmethod
-    def _kv_blocks_that_fit(self, workers_sharing: list[int]) -> list[tuple[int, int]]:
-        """(KV blocks, budget in bytes) of every rank, given how many workers share each rank's memory."""
+    def _kv_blocks_that_fit(self, workers_sharing: list[int]) -> list[KVCacheFit]:
+        """What every rank fits (blocks, budget, memory figures), given how many workers share each rank's
+        memory."""
 
     @abstractmethod
     def _init_kv_caches(self, num_blocks: int) -> None:

@@ -33,6 +33,7 @@ from qwenserve.executor.distributed_executor import (
 )
 from qwenserve.executor.shm_queue import ShmQueue
 from qwenserve.worker.cpu_tuning import bind_to_cpus, cpu_sets_for_ranks
+from qwenserve.worker.memory import KVCacheFit
 from qwenserve.worker.worker import init_rank_worker
 
 logger = logging.getLogger(__name__)
@@ -84,10 +85,10 @@ class MultiprocExecutor(DistributedExecutor):
         logger.info("%d worker processes ready (tensor parallel %d x pipeline parallel %d, %s)", world,
                     self.tp_size, self.pp_size, init_method)
 
-    def _kv_blocks_that_fit(self, workers_sharing: list[int]) -> list[tuple[int, int]]:
+    def _kv_blocks_that_fit(self, workers_sharing: list[int]) -> list[KVCacheFit]:
         for conn, sharing in zip(self._conns, workers_sharing):
             conn.send(("fit", sharing))
-        return [tuple(self._receive(rank, "fits")) for rank in range(len(self._procs))]
+        return [self._receive(rank, "fits")[0] for rank in range(len(self._procs))]
 
     def _init_kv_caches(self, num_blocks: int) -> None:
         for conn in self._conns:
@@ -199,7 +200,7 @@ def run_worker(rank: int, config: EngineConfig, steps: ShmQueue, results: ShmQue
         worker = init_rank_worker(rank, config, init_method, shm_name)
         conn.send(("loaded",))
         _, workers_sharing = from_engine.get()
-        conn.send(("fits", *worker.kv_blocks_that_fit(workers_sharing)))
+        conn.send(("fits", worker.kv_blocks_that_fit(workers_sharing)))
         _, num_blocks = from_engine.get()
         worker.init_kv_cache(num_blocks)
     except Exception as e:  # noqa: BLE001 (reported to the engine, which raises it)

@@ -35,6 +35,7 @@ from qwenserve.executor.distributed_executor import (
     set_up_worker_logging,
     worker_log_level,
 )
+from qwenserve.worker.memory import KVCacheFit
 from qwenserve.worker.worker import Worker, init_rank_worker
 
 logger = logging.getLogger(__name__)
@@ -71,8 +72,8 @@ class RayWorker:
         """Join the others and load this rank's part."""
         self.worker = init_rank_worker(self.rank, self.config, init_method, shm_name)
 
-    def kv_blocks_that_fit(self, workers_sharing: int) -> tuple[int, int]:
-        """(KV blocks this rank fits, its budget in bytes), once every rank has loaded."""
+    def kv_blocks_that_fit(self, workers_sharing: int) -> KVCacheFit:
+        """The KV blocks this rank fits, its budget and memory figures, once every rank has loaded."""
         return self.worker.kv_blocks_that_fit(workers_sharing)
 
     def init_kv_cache(self, num_blocks: int) -> None:
@@ -140,7 +141,7 @@ class RayExecutor(DistributedExecutor):
         self._wait_all([a.load.remote(init_method, shm_name) for a in self._actors], starting=True)
         return self._agree_on_kv_blocks(nodes)
 
-    def _kv_blocks_that_fit(self, workers_sharing: list[int]) -> list[tuple[int, int]]:
+    def _kv_blocks_that_fit(self, workers_sharing: list[int]) -> list[KVCacheFit]:
         return self._wait_all([a.kv_blocks_that_fit.remote(sharing)
                                for a, sharing in zip(self._actors, workers_sharing)], starting=True)
 

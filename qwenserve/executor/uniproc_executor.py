@@ -12,8 +12,10 @@ from qwenserve.worker.worker import Worker
 class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig):
         self.worker = Worker(config)
-        num_blocks, self.kv_cache_budget = self.worker.kv_blocks_that_fit()
-        self.worker.init_kv_cache(num_blocks)
+        fit = self.worker.kv_blocks_that_fit()
+        self.worker.init_kv_cache(fit.num_blocks)
+        self.kv_cache_budget, self.kv_block_bytes = fit.budget, fit.bytes_per_block
+        self.weights_bytes = fit.weights_bytes
         self.num_kv_blocks = self.worker.num_kv_blocks
         self._submitted: deque[SchedulerOutput] = deque()
 

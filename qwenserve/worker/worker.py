@@ -18,7 +18,7 @@ from qwenserve.distributed.tensor_parallel import TensorParallel
 from qwenserve.model.layers.attention import PagedKVCache
 from qwenserve.model.loader.model_loader import load_model
 from qwenserve.worker.cpu_tuning import keep_large_allocations_in_heap
-from qwenserve.worker.memory import kv_cache_budget
+from qwenserve.worker.memory import KVCacheFit, kv_cache_budget, model_weights_bytes
 from qwenserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -52,26 +52,29 @@ class Worker:
         self.kv_cache: PagedKVCache | None = None
         self.model_runner: ModelRunner | None = None
 
-    def kv_blocks_that_fit(self, workers_sharing: int = 1) -> tuple[int, int]:
-        """(blocks, budget in bytes): as many blocks as this worker's budget holds for its layers and kv heads,
-        the budget being kv_cache_memory, or with "auto" its share (one of workers_sharing, all loaded) of the
-        memory available now; never more blocks than max_num_seqs sequences of max_model_len tokens could use."""
+    def kv_blocks_that_fit(self, workers_sharing: int = 1) -> KVCacheFit:
+        """As many blocks as this worker's budget holds for its layers and kv heads, the budget being
+        kv_cache_memory, or with "auto" its share (one of workers_sharing, all loaded) of the memory available now,
+        bounded by what max_num_seqs sequences of max_model_len tokens fill; never more blocks than that bound
+        either way (more would never be used)."""
         per_block = PagedKVCache.bytes_per_block(*self._kv_shape, self._kv_dtype)
-        budget = kv_cache_budget(self.config.cache.kv_cache_memory, self.device, workers_sharing)
+        most_usable = self.config.scheduler.max_num_seqs * -(-self.max_model_len // self._kv_shape[1])
+        budget = kv_cache_budget(self.config.cache.kv_cache_memory, self.device, workers_sharing,
+                                 most_usable * per_block)
         num_blocks = budget // per_block
         if num_blocks < 1:
             raise ConfigError(f"kv_cache_memory {budget} bytes is less than one KV block ({per_block} bytes for "
                               f"{self._kv_shape[1]} tokens)")
-        # more would never be used: every sequence slot full to max_model_len
-        return min(num_blocks, self.config.scheduler.max_num_seqs * -(-self.max_model_len // self._kv_shape[1])), budget
+        return KVCacheFit(min(num_blocks, most_usable), budget, per_block, model_weights_bytes(self.model))
 
     def init_kv_cache(self, num_blocks: int) -> None:
         num_layers, block_size, num_kv_heads, head_dim = self._kv_shape
         per_block = PagedKVCache.bytes_per_block(*self._kv_shape, self._kv_dtype)
-        logger.info("KV cache: %d blocks of %d tokens = %d tokens max, %.2f GiB (%s%s)", num_blocks, block_size,
-                    num_blocks * block_size, num_blocks * per_block / (1 << 30),
+        logger.info("KV cache: %d blocks of %d tokens = %d tokens max (%s%s), %d bytes reserved (%.2f GiB); pages "
+                    "become resident as blocks are first used", num_blocks, block_size, num_blocks * block_size,
                     str(self._kv_dtype).removeprefix("torch."),
-                    " codes, per-token scales" if self._kv_dtype != self.model.dtype else "")
+                    " codes, per-token scales" if self._kv_dtype != self.model.dtype else "",
+                    num_blocks * per_block, num_blocks * per_block / (1 << 30))
         self.kv_cache = PagedKVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, self._kv_dtype,
                                      self.device)
         with use_cpu_kernels(self.config.load.cpu_kernels):

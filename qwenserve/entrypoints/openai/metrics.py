@@ -20,6 +20,12 @@ class ServerMetrics:
         self.prefix_hit_rate = Gauge("qwenserve_prefix_cache_hit_rate",
                                      "Prompt tokens found in the prefix cache / prompt tokens looked up", registry=r)
         self.aborted = Gauge("qwenserve_num_aborted_requests_total", "Requests aborted since start", registry=r)
+        self.weights_bytes = Gauge("qwenserve_model_weights_bytes", "Bytes of model weights the workers hold",
+                                   registry=r)
+        self.kv_reserved = Gauge("qwenserve_kv_cache_reserved_bytes", "Bytes reserved for the KV cache (resident "
+                                 "only where touched)", registry=r)
+        self.kv_touched = Gauge("qwenserve_kv_cache_touched_bytes", "Bytes of the KV blocks ever used (the "
+                                "distinct blocks handed out): the KV cache's resident memory", registry=r)
         self.prompt_tokens = Counter("qwenserve_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("qwenserve_generation_tokens", "Generated tokens of finished requests",
                                          registry=r)
@@ -68,6 +74,9 @@ class ServerMetrics:
         self.kv_usage.set(snap["kv_usage"])
         self.prefix_hit_rate.set(snap["hit_rate"])
         self.aborted.set(snap["aborted"])
+        self.weights_bytes.set(snap["weights_bytes"])
+        self.kv_reserved.set(snap["kv_reserved_bytes"])
+        self.kv_touched.set(snap["kv_touched_bytes"])
         for rank, replica in enumerate(snap.get("replicas", ())):
             label = str(rank)
             self.replica_alive.labels(label).set(int(replica["alive"]))

@@ -14,6 +14,8 @@ All new K/V are written before any are read, so sequences sharing prefix blocks 
 """
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -62,23 +64,46 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, length: int) 
     return g.transpose(-3, -2)
 
 
+def untouched_zeros(specs: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device) -> list[torch.Tensor]:
+    """Zero tensors of these (shape, dtype)s. On the CPU (Linux, macOS) they share one private anonymous mapping,
+    each on a page boundary, and nothing writes them here: the kernel backs a page with memory only when it is
+    first written (reading an untouched page maps the shared zero page), whatever the process's allocator does
+    with large allocations. Elsewhere (CUDA, where memory is committed when allocated anyway) torch.zeros."""
+    if device.type != "cpu" or not hasattr(mmap, "MAP_PRIVATE"):
+        return [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in specs]
+    sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in specs]
+    offsets, end = [], 0
+    for size in sizes:
+        offsets.append(end)
+        end += -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
+    mapping = mmap.mmap(-1, max(end, mmap.PAGESIZE), flags=mmap.MAP_PRIVATE)  # the tensors keep it alive
+    whole = torch.frombuffer(mapping, dtype=torch.uint8)
+    return [whole[offset:offset + size].view(dtype).view(shape)
+            for (shape, dtype), offset, size in zip(specs, offsets, sizes)]
+
+
 class PagedKVCache:
     """Per layer, K and V of [num_blocks, block_size, kv_heads, head_dim] in `dtype`; for int8 / fp8 those are
     codes, and k_scales / v_scales hold their scales [num_blocks, block_size, kv_heads] in KV_SCALE_DTYPE (else
-    None)."""
+    None).
+
+    On the CPU every tensor lives in one anonymous mapping of the cache's own (`untouched_zeros`): memory reserved,
+    not resident, until a block's slots are first written, so resident memory follows the blocks the scheduler has
+    handed out (it reuses freed blocks before fresh ones, and fresh ones lowest id first). Slots never written read
+    as zeros, which padded reads rely on: they are masked, but must be finite (NaN * 0 = NaN)."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu"):
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        # zeros, not empty: padded reads of never-written slots must be finite (they are masked, but NaN * 0 = NaN)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         quantized = is_quantized(dtype)
-
-        def scales():
-            return torch.zeros(shape[:3], dtype=KV_SCALE_DTYPE, device=device) if quantized else None
-        self.k_scales = [scales() for _ in range(num_layers)]
-        self.v_scales = [scales() for _ in range(num_layers)]
+        per_layer = [(shape, dtype), (shape, dtype)] + ([(shape[:3], KV_SCALE_DTYPE)] * 2 if quantized else [])
+        tensors = iter(untouched_zeros(per_layer * num_layers, torch.device(device)))
+        self.k, self.v, self.k_scales, self.v_scales = [], [], [], []
+        for _ in range(num_layers):
+            self.k.append(next(tensors))
+            self.v.append(next(tensors))
+            self.k_scales.append(next(tensors) if quantized else None)
+            self.v_scales.append(next(tensors) if quantized else None)
         self.block_size = block_size
         self.write = self._write_quantized if quantized else self._write
         self.gather = self._gather_dequantized if quantized else self._gather
