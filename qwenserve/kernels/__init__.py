@@ -126,7 +126,7 @@ def _load_variant(variant: KernelVariant, how: str):
         return None
     stale = _stale_prebuilt(variant)
     reason = (f"its prebuilt library {stale[0].name} was built from other sources" if stale
-              else "no prebuilt library (installed without torch in the build environment?)")
+              else "no prebuilt library of it (a source checkout, or a package built without torch)")
     logger.info("CPU kernels: the %s variant (%s); %s, so compiling it once (about 20 s)", variant.name, how, reason)
     try:
         _build(variant)
