@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from qwenserve import kernels
+from qwenserve.config.cpu_variants import VARIANTS
 
 pytestmark = pytest.mark.kernels
 
@@ -33,10 +34,12 @@ OBJDUMP = "objdump" if NATIVE else "aarch64-linux-gnu-objdump"
 # name: (compiler flags; the emulated CPU: one without the features the build leaves out, so an instruction the
 # flags do not allow stops the run; the host's /proc/cpuinfo features the build needs when native; the
 # instructions its kernels must contain)
+# instruction flags, for each of them, as the ARM kernel variants are built (config/cpu_variants.py)
+MARCH = {v.name: v.cflags[0] for v in VARIANTS if v.arch == "aarch64"}
 FEATURE_SETS = {
-    "armv8": ("-march=armv8-a", "cortex-a53", set(), []),
-    "armv8_dotprod": ("-march=armv8.2-a+dotprod", "cortex-a76", {"asimddp"}, ["sdot"]),
-    "armv8_i8mm": ("-march=armv8.6-a+dotprod+i8mm", "max", {"asimddp", "i8mm"}, ["sdot", "smmla"]),
+    "armv8": (MARCH["armv8"], "cortex-a53", set(), []),
+    "armv8_dotprod": (MARCH["armv8_dotprod"], "cortex-a76", {"asimddp"}, ["sdot"]),
+    "armv8_i8mm": (MARCH["armv8_i8mm"], "max", {"asimddp", "i8mm"}, ["sdot", "smmla"]),
 }
 
 

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from qwenserve import LLM, SamplingParams, kernels
+from qwenserve.kernels import sources
 from qwenserve.model.layers.activation import SiluAndMul
 from qwenserve.model.layers.layernorm import RMSNorm
 from qwenserve.model.layers.rotary import RotaryEmbedding
@@ -164,16 +165,17 @@ def test_a_failed_build_with_a_compiler_is_an_error_at_start(monkeypatch, tmp_pa
     the compiler's complaint and the way to choose the PyTorch path; that choice then starts."""
     builds = []
 
-    def broken():
-        builds.append(1)
+    def broken(variant):
+        builds.append(variant.name)
         raise RuntimeError(BUILD_LOG)
 
     monkeypatch.setattr(kernels, "_compiler", lambda: "/usr/bin/c++")
     monkeypatch.setattr(kernels, "_build", broken)
-    monkeypatch.setattr(kernels, "_state", {})
+    monkeypatch.setattr(kernels, "_loaded", {})
+    monkeypatch.setattr(sources, "PREBUILT_DIR", tmp_path / "no prebuilt libraries")
     path = save_hf_dir(tiny_hf_model(seed=5), str(tmp_path))
-    pattern = (r"(?s)failed to build with /usr/bin/c\+\+:\n.*norm.cpp:12:5: error: 'vec_t' was not declared.*"
-               r"QWENSERVE_CPU_KERNELS=0 or --no-cpu-kernels")
+    pattern = (r"(?s)CPU kernels \(\w+ variant\) failed to build with /usr/bin/c\+\+:\n"
+               r".*norm.cpp:12:5: error: 'vec_t' was not declared.*QWENSERVE_CPU_KERNELS=0 or --no-cpu-kernels")
     with pytest.raises(kernels.KernelBuildError, match=pattern):
         LLM(path, dtype="float32", kv_cache_memory="4MiB")
     with pytest.raises(kernels.KernelBuildError):  # remembered: no second 20 s build
@@ -184,10 +186,11 @@ def test_a_failed_build_with_a_compiler_is_an_error_at_start(monkeypatch, tmp_pa
     assert len(builds) == 1
 
 
-def test_without_a_compiler_the_pytorch_path_runs_with_a_warning(monkeypatch, caplog):
+def test_without_a_compiler_the_pytorch_path_runs_with_a_warning(monkeypatch, caplog, tmp_path):
     monkeypatch.setattr(kernels, "_compiler", lambda: None)
-    monkeypatch.setattr(kernels, "_build", lambda: pytest.fail("built without a compiler"))
-    monkeypatch.setattr(kernels, "_state", {})
+    monkeypatch.setattr(kernels, "_build", lambda variant: pytest.fail("built without a compiler"))
+    monkeypatch.setattr(kernels, "_loaded", {})
+    monkeypatch.setattr(sources, "PREBUILT_DIR", tmp_path / "no prebuilt libraries")
     with caplog.at_level("WARNING", logger="qwenserve.kernels"):
         assert kernels.cpu_ops() is None
         assert kernels.cpu_ops_for("cpu") is None
@@ -242,14 +245,16 @@ def test_the_build_takes_every_source_under_cpu_and_hashes_each(tmp_path, monkey
     (tmp_path / "ggml").mkdir()
     for name in ("register.cpp", "vec.h", "ggml/dispatch.cpp", "arch/x86/avx2.h"):
         (tmp_path / name).write_text("// one\n")
-    monkeypatch.setattr(kernels, "_SOURCE_DIR", tmp_path)
-    assert [p.relative_to(tmp_path).as_posix() for p in kernels._source_files()] == [
+    monkeypatch.setattr(sources, "SOURCE_DIR", tmp_path)
+    assert [p.relative_to(tmp_path).as_posix() for p in sources.source_files()] == [
         "arch/x86/avx2.h", "ggml/dispatch.cpp", "register.cpp", "vec.h"]
-    tag = kernels._source_tag()
+    flags = ["-O3", "-mavx2"]
+    tag = sources.source_hash(flags)
     (tmp_path / "arch" / "x86" / "avx2.h").write_text("// two\n")
-    edited = kernels._source_tag()
+    edited = sources.source_hash(flags)
     (tmp_path / "arch" / "x86" / "avx2.h").rename(tmp_path / "ggml" / "avx2.h")  # the same bytes elsewhere
-    assert len({tag, edited, kernels._source_tag()}) == 3
+    moved = sources.source_hash(flags)
+    assert len({tag, edited, moved, sources.source_hash(["-O3"])}) == 4  # the flags count too
     (tmp_path / "arch" / "x86" / "dispatch.cpp").write_text("// one\n")
     with pytest.raises(RuntimeError, match="arch/x86/dispatch.cpp and ggml/dispatch.cpp share a file name"):
-        kernels._source_files()
+        sources.source_files()

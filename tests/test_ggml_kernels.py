@@ -1,14 +1,9 @@
 """The ggml kernels (kernels/cpu/ggml/): ggml_dequantize against our torch dequantizers bit for bit, and
 ggml_mm (a linear layer on quantized weights, activations quantized per row to q8_0 / q8_K as ggml does) against a
-float64 reference of the same quantization, and against F.linear on the dequantized weight."""
-import hashlib
+float64 reference of the same quantization, and against F.linear on the dequantized weight; every test runs once per
+kernel variant this CPU runs (config/cpu_variants.py), and each variant is checked against the baseline build."""
 import os
-import platform
-import subprocess
-import sys
-import tempfile
-import textwrap
-from pathlib import Path
+import shutil
 
 import numpy as np
 import pytest
@@ -17,6 +12,7 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from qwenserve import kernels
+from qwenserve.config.cpu_variants import machine_arch, missing_flags, this_cpu_flags, variants_for
 from qwenserve.model.loader.dequant import dequantize
 from qwenserve.model.loader.ggml_tensor import DECODE_GROUP, GGMLTensor
 
@@ -25,6 +21,49 @@ TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 # where each block format keeps its fp16 scale(s): random bytes there could be inf/nan
 SCALE_OFFSETS = {Q.Q8_0: [0], Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208]}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+VARIANTS = variants_for(machine_arch())
+BASELINE = VARIANTS[0] if VARIANTS else None  # built for every CPU of the architecture: the scalar reference's
+
+
+def _variant_params():
+    """Every variant of this architecture; those beyond the one this process runs by default compile libraries of
+    their own where none is prebuilt (marked `kernels`)."""
+    default = kernels.chosen_variant()
+    return [pytest.param(v, id=v.name, marks=() if v == default else pytest.mark.kernels) for v in VARIANTS]
+
+
+def _variant_ops(variant):
+    if os.environ.get("QWENSERVE_CPU_KERNELS") == "0":
+        pytest.skip("CPU kernels switched off by QWENSERVE_CPU_KERNELS=0")
+    missing = missing_flags(variant, this_cpu_flags())
+    if missing:
+        pytest.skip(f"this CPU lacks {', '.join(missing)}, which the {variant.name} variant needs")
+    ops = kernels.variant_ops(variant)
+    if ops is None and shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C++ compiler here to build the variant, and no prebuilt library of it")
+    assert ops is not None, f"the {variant.name} kernels are unavailable (qwenserve.kernels logs why)"
+    return ops
+
+
+@pytest.fixture(scope="module", params=_variant_params() or [pytest.param(None, id="none")])
+def variant(request):
+    """Each kernel variant of this architecture the CPU runs, in turn; the ones it cannot run skip with the CPU
+    flags they need."""
+    if request.param is None:
+        pytest.skip(f"no kernel variants for {machine_arch()}")
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def ops(variant):
+    """The variant's kernels (this module's tests run once per variant)."""
+    return _variant_ops(variant)
+
+
+@pytest.fixture(scope="module")
+def baseline_ops():
+    """The baseline variant's kernels: the scalar reference with no arch/ kernels compiled in."""
+    return _variant_ops(BASELINE)
 
 
 
@@ -275,89 +314,54 @@ def test_bad_arguments_are_rejected(ops):
         ops.ggml_mm(torch.empty(1, 4), torch.randn(1, 64), raw, int(Q.Q8_0), 1, None, 3)
 
 
-# The portable path, built without AVX2 in a subprocess (its own small library of the two ggml ops: the scalar
-# reference and the dispatch, with none of arch/x86/ compiled in), must give the same dequantized values bit for bit
-# and the same products up to float summation order.
-_SCALAR_RUN = textwrap.dedent("""
-    import sys
-    from pathlib import Path
-
-    import torch
-    from torch.utils.cpp_extension import load
-
-    cpu, reg, data, name = sys.argv[1:5]
-    sources = [str(p) for p in sorted(Path(cpu).glob("ggml/*.cpp"))] + [reg]
-    load(name=name, sources=sources, extra_include_paths=[cpu],
-         extra_cflags=["-O3", "-march=native", "-mno-avx2", "-mno-fma", "-mno-f16c", "-fopenmp"],
-         extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
-    ops = torch.ops.qwenserve_ggml_portable
-    results = []
-    for t, raw, x in torch.load(data):
-        y = torch.empty(x.shape[0], raw.shape[0], dtype=x.dtype)
-        ops.ggml_mm(y, x, raw, t)
-        y2 = torch.empty_like(y)
-        ops.ggml_mm(y2, x, raw, t, 1, None, 2)
-        results.append((ops.ggml_dequantize(raw, t, x.shape[1], torch.float32), y, y2))
-    torch.save(results, data)
-""")
-_SCALAR_REGISTER = """
-#include <torch/library.h>
-#include "ops.h"
-TORCH_LIBRARY(qwenserve_ggml_portable, m) {
-  m.def("ggml_dequantize(Tensor raw, int ggml_type, int cols, ScalarType dtype, int group=1) -> Tensor");
-  m.def("ggml_mm(Tensor(a!) out, Tensor x, Tensor raw, int ggml_type, int group=1, Tensor? bias=None, "
-        "int act_levels=1) -> ()");
-}
-TORCH_LIBRARY_IMPL(qwenserve_ggml_portable, CPU, m) {
-  m.impl("ggml_dequantize", &qwenserve::cpu::ggml_dequantize);
-  m.impl("ggml_mm", &qwenserve::cpu::ggml_mm);
-}
-"""
+def test_every_row_count_against_the_reference(ops):
+    """ggml_mm at every activation row count from 1 to 17 (the decode kernels, the 4- and 16-row tiles and their
+    remainders) and a few larger ones, in the file's layout and the decode layout, and ggml_dequantize of every
+    row count, against the float64 reference of the same quantization."""
+    for qtype in TYPES:
+        k = 512 if GGML_QUANT_SIZES[qtype][0] == 256 else 96
+        n = 48
+        raw = random_blocks(qtype, n, k, seed=int(qtype) + 321, scale=0.02)
+        grouped = GGMLTensor.from_bytes(raw, qtype, (n, k)).grouped().raw
+        w = reference_dequant(raw, qtype, k).double()
+        for rows in range(1, 18):
+            assert torch.equal(ops.ggml_dequantize(raw[:rows].contiguous(), int(qtype), k, torch.float32),
+                               w[:rows].float()), (qtype.name, rows)
+        for m in [*range(1, 18), 32, 64, 100]:
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 2
+            xq, _ = quantize_ref(x, qtype)
+            expected, magnitude = xq @ w.T, xq.abs() @ w.abs().T
+            for weights, group in ((raw, 1), (grouped, DECODE_GROUP)):
+                got = torch.empty(m, n)
+                ops.ggml_mm(got, x, weights, int(qtype), group)
+                assert ((got.double() - expected).abs() <= 1e-4 * magnitude).all(), (qtype.name, m, group)
 
 
-@pytest.mark.kernels
-def test_portable_path_computes_the_same(ops, tmp_path):
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("the library here is already the portable build")
-    cpu = Path(kernels.__file__).with_name("cpu")
-    # torch rebuilds on a changed .cpp but not on a changed header: the sources' hash goes into the name
-    tag = hashlib.sha1((kernels._cpu_tag() + kernels._source_tag() + _SCALAR_REGISTER).encode()).hexdigest()[:8]
-    # a fixed path for the registration source, so later runs find the library built (torch's builder keys on it)
-    reg = Path(tempfile.gettempdir()) / f"qwenserve_ggml_portable_{tag}.cpp"
-    if not reg.exists() or reg.read_text() != _SCALAR_REGISTER:
-        reg.write_text(_SCALAR_REGISTER)
-    cases = []
+def test_every_variant_computes_what_the_baseline_does(ops, baseline_ops):
+    """The variant's kernels against the baseline build (the scalar reference, no arch/ kernels): the same
+    dequantized values bit for bit, the same products up to float summation order, with one and two activation
+    codes, in every dtype."""
     for i, qtype in enumerate(TYPES):
         k = 512 if GGML_QUANT_SIZES[qtype][0] == 256 else 96
+        raw = random_blocks(qtype, 21, k, seed=i, scale=0.02)
+        deq = baseline_ops.ggml_dequantize(raw, int(qtype), k, torch.float32)
+        assert torch.equal(ops.ggml_dequantize(raw, int(qtype), k, torch.float32), deq)
         for dtype in DTYPES:
             x = (torch.randn(6, k, generator=torch.Generator().manual_seed(i)) * 2).to(dtype)
-            cases.append((int(qtype), random_blocks(qtype, 21, k, seed=i, scale=0.02), x))
-    data = tmp_path / "cases.pt"
-    torch.save(cases, data)
-    proc = subprocess.run([sys.executable, "-c", _SCALAR_RUN, str(cpu), str(reg), str(data),
-                           f"qwenserve_ggml_portable_{tag}"], capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = torch.load(data)
-    for (qtype, raw, x), (deq, y, y2) in zip(cases, results):
-        cols = x.shape[1]
-        assert torch.equal(deq, ops.ggml_dequantize(raw, qtype, cols, torch.float32))
-        got = torch.empty_like(y)
-        ops.ggml_mm(got, x, raw, qtype)
-        w = deq.double()
-        xq, _ = quantize_ref(x, Q(qtype))
-        magnitude = xq.abs() @ w.abs().T
-        assert ((got.double() - y.double()).abs() <= 1e-5 * magnitude + output_ulp(x.dtype) * y.double().abs()).all()
-        ops.ggml_mm(got, x, raw, qtype, 1, None, 2)  # two activation levels: the same too
-        assert ((got.double() - y2.double()).abs() <= 1e-5 * magnitude + output_ulp(x.dtype) * y2.double().abs()).all()
+            xq, _ = quantize_ref(x, qtype)
+            magnitude = xq.abs() @ deq.double().abs().T
+            for levels in (1, 2):
+                want, got = torch.empty(6, 21, dtype=dtype), torch.empty(6, 21, dtype=dtype)
+                baseline_ops.ggml_mm(want, x, raw, int(qtype), 1, None, levels)
+                ops.ggml_mm(got, x, raw, int(qtype), 1, None, levels)
+                bound = 1e-5 * magnitude + output_ulp(dtype) * want.double().abs()
+                assert ((got.double() - want.double()).abs() <= bound).all(), (qtype.name, dtype, levels)
 
 
-def test_the_tile_kernel_is_built_where_the_cpu_has_vnni(ops):
-    """ggml_mm's tile kernel (many activation rows, AVX512-VNNI) is compiled in exactly where the CPU has the
-    instructions (the build is -march=native), for every type ggml_mm runs."""
-    if platform.machine() not in ("x86_64", "AMD64") or not os.path.exists("/proc/cpuinfo"):
-        pytest.skip("reads the x86 CPU flags from /proc/cpuinfo")
-    flags = set(open("/proc/cpuinfo").read().split())
-    has = {"avx512f", "avx512bw", "avx512_vnni"} <= flags
+def test_the_tile_kernel_is_built_where_the_variant_has_vnni(ops, variant):
+    """ggml_mm's tile kernel (many activation rows, AVX512-VNNI) is compiled in exactly in the variants built
+    with those instructions, for every type ggml_mm runs."""
+    has = {"avx512f", "avx512bw", "avx512_vnni"} <= variant.needs
     assert [ops.ggml_mm_tiles(int(t)) for t in TYPES] == [has] * len(TYPES)
     assert not ops.ggml_mm_tiles(int(Q.Q2_K))
 

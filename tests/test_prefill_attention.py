@@ -66,7 +66,7 @@ def test_bad_arguments_name_the_problem(supported):
 
 
 class CountingOps:
-    """torch.ops.qwenserve, counting prefill_attention's calls."""
+    """The kernels' ops, counting prefill_attention's calls."""
     def __init__(self, ops):
         self.ops, self.prefill_calls = ops, 0
 

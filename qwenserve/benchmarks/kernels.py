@@ -92,7 +92,7 @@ def layer_bytes(module) -> int:
 def bench_kernels(config: EngineConfig, rows: tuple[int, ...] = ROWS) -> dict:
     load = config.load
     resolved = resolve_model(load)
-    with use_cpu_kernels(load.cpu_kernels):
+    with use_cpu_kernels(load.cpu_kernels, load.cpu_isa):
         model = load_model(resolved, load.device)
     bandwidth = read_bandwidth()
     results = []

@@ -10,6 +10,7 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 
+from qwenserve.config.cpu_variants import AUTO, VARIANTS, choose_variant
 from qwenserve.config.environment import env_defaults
 from qwenserve.config.errors import ConfigError
 from qwenserve.config.model_config import resolve_kv_cache_dtype
@@ -84,9 +85,15 @@ class LoadConfig:
               "kernels), int8 / int4 (quantized at load: int8 per output channel, int4 in groups of 128), awq or "
               "gptq (those checkpoints' own 4/8-bit weights); default: gguf for a .gguf file, awq/gptq from "
               "config.json's quantization_config, else none")
-    cpu_kernels: bool = setting(True, "run on qwenserve's compiled CPU kernels (built on first use with the C++ "
-                                      "compiler, about 20 s; a failed build is an error); off: PyTorch ops only, "
-                                      "several times slower (default: on)", env="QWENSERVE_CPU_KERNELS")
+    cpu_kernels: bool = setting(True, "run on qwenserve's compiled CPU kernels (built at install; a failed build is "
+                                      "an error); off: PyTorch ops only, several times slower (default: on)",
+                                env="QWENSERVE_CPU_KERNELS")
+    cpu_isa: str = setting(AUTO, "which build of the CPU kernels runs: auto (the best this CPU runs) or a variant "
+                                 f"({', '.join(v.name for v in VARIANTS)}) this CPU runs, to compare CPU "
+                                 "families on one machine (default: %(default)s)", env="QWENSERVE_CPU_ISA")
+
+    def __post_init__(self):
+        choose_variant(self.cpu_isa)  # an unknown name, or a variant this CPU cannot run, fails here, not at load
 
 
 @dataclass(frozen=True)

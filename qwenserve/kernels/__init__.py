@@ -1,70 +1,56 @@
 """Our compiled CPU kernels (cpu/: one source per op family, shared helpers in vec.h, the op registration in
-register.cpp), built on first use and cached by torch's extension builder.
+register.cpp), one library per CPU variant (config/cpu_variants.py: x86_64, avx2, avx512_vnni, armv8_dotprod, ...),
+each registering its ops under a torch.ops namespace of its own.
 
-`cpu_ops()` returns torch.ops.qwenserve once the library is loaded. Where no C++ compiler is found it returns
-None, with a warning, and callers take the PyTorch path, which computes the same thing with more, smaller ops
-(several times slower). A build that fails with a compiler present raises KernelBuildError: serving on, silently
-that much slower, would hide the failure. The setting cpu_kernels (QWENSERVE_CPU_KERNELS=0, --no-cpu-kernels)
-chooses the PyTorch path on purpose; whoever builds a model from a config applies it with `use_cpu_kernels`.
-The build takes ~20 s once per source version; later runs load the cached library (TORCH_EXTENSIONS_DIR moves
-the cache). Layers pick the library once, when they are built, with `cpu_ops_for(device)`.
+A process runs the variant the setting cpu_isa names: `auto`, the best one this CPU runs, chosen once. `pip install`
+builds every variant of the machine's architecture into _prebuilt/ (setup.py); the loader takes a prebuilt library
+only when its name carries the hash of the sources and flags shipped beside it (sources.py), and otherwise builds
+that variant on first use with torch's extension builder (~20 s, cached under TORCH_EXTENSIONS_DIR), as it does
+for an edited source in an editable install.
+
+`cpu_ops()` returns the chosen variant's torch.ops namespace. Where a build is needed and no C++ compiler is found
+it returns None, with a warning, and callers take the PyTorch path, which computes the same thing with more,
+smaller ops (several times slower). A build that fails with a compiler present raises KernelBuildError: serving
+on, silently that much slower, would hide the failure. The setting cpu_kernels (QWENSERVE_CPU_KERNELS=0,
+--no-cpu-kernels) chooses the PyTorch path on purpose; whoever builds a model from a config applies both settings
+with `use_cpu_kernels`. Layers pick the library once, when they are built, with `cpu_ops_for(device)`.
 """
 from __future__ import annotations
 
-import hashlib
 import logging
-import platform
 import shutil
 import threading
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
+from qwenserve.config.cpu_variants import AUTO, KernelVariant, choose_variant, machine_arch, variants_for
+from qwenserve.kernels import sources
+
 logger = logging.getLogger(__name__)
 
-_SOURCE_DIR = Path(__file__).with_name("cpu")
 _lock = threading.Lock()
+# the choice of the enclosing use_cpu_kernels / disabled blocks: "disabled" (bool), "cpu_isa" (a setting's value)
 _state: dict[str, object] = {}
+# variant name -> its ops namespace, None (no compiler to build it) or the KernelBuildError its build raised
+_loaded: dict[str, object] = {}
 
 
-def _cpu_tag() -> str:
-    """A short hash of this CPU's instruction-set flags. The library is built with -march=native, so a cache
-    shared between different machines (a network home directory) must not hand one machine's build to another."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        flags = ""
-    return hashlib.sha1((flags or platform.processor()).encode()).hexdigest()[:8]
+class KernelBuildError(RuntimeError):
+    """The CPU kernels did not build although a C++ compiler is there."""
 
 
-def _source_files() -> list[Path]:
-    """Every source and header under cpu/, its subdirectories (ggml/, arch/<family>/) included. The extension
-    builder names each object file after its source's file name alone, so two .cpp files may not share one."""
-    files = sorted(p for p in _SOURCE_DIR.rglob("*") if p.suffix in (".cpp", ".h"))
-    by_name: dict[str, Path] = {}
-    for p in files:
-        if p.suffix == ".cpp" and by_name.setdefault(p.name, p) is not p:
-            raise RuntimeError(f"kernel sources {by_name[p.name].relative_to(_SOURCE_DIR)} and "
-                               f"{p.relative_to(_SOURCE_DIR)} share a file name; the builder needs them distinct")
-    return files
+def library_flags(variant: KernelVariant) -> list[str]:
+    """Every compiler flag of the variant's library (the same at install and at first use)."""
+    return sources.library_cflags(variant.cflags, variant.namespace)
 
 
-# -fno-trapping-math: without it GCC keeps float comparisons (clamps, selects) as branches, which stops it from
-# vectorising loops such as silu_and_mul's exp (measured 2-3x slower); results are the same, we never read FP
-# exception flags.
-_CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-trapping-math", "-fopenmp"]
-
-
-def _source_tag() -> str:
-    """A short hash of every source and header under cpu/ and of the compiler flags. torch rebuilds when a .cpp
-    changes but does not look at headers, so the hash goes into the library's name: any edit builds afresh."""
-    h = hashlib.sha1(" ".join(_CFLAGS).encode())
-    for p in _source_files():
-        h.update(p.relative_to(_SOURCE_DIR).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
-    return h.hexdigest()[:8]
+def library_name(variant: KernelVariant) -> str:
+    """The variant's library name for the sources shipped with this package: variant and hash of what it is built
+    from."""
+    return sources.library_name(variant.name, library_flags(variant))
 
 
 # a build takes under a minute; a lock this old was left by a build that was killed (torch would wait forever)
@@ -83,21 +69,19 @@ def _remove_stale_lock(name: str) -> None:
         lock.unlink(missing_ok=True)
 
 
-def _build():
+def _load_library(path: Path) -> None:
+    torch.ops.load_library(str(path))
+
+
+def _build(variant: KernelVariant) -> None:
+    """Compile the variant's library with torch's extension builder (cached by name) and load it."""
     from torch.utils.cpp_extension import load
 
-    logger.info("loading the CPU kernels (compiled on first use, about 20 s)")
-    sources = [str(p) for p in _source_files() if p.suffix == ".cpp"]
-    name = f"qwenserve_cpu_ops_{_cpu_tag()}_{_source_tag()}"
+    name = library_name(variant)
     _remove_stale_lock(name)
-    load(name=name, sources=sources,
-         extra_include_paths=[str(_SOURCE_DIR)], extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
-         is_python_module=False, verbose=False)
-    return torch.ops.qwenserve
-
-
-class KernelBuildError(RuntimeError):
-    """The CPU kernels did not build although a C++ compiler is there."""
+    load(name=name, sources=[str(p) for p in sources.source_files() if p.suffix == ".cpp"],
+         extra_include_paths=[str(sources.SOURCE_DIR)], extra_cflags=library_flags(variant),
+         extra_ldflags=sources.LDFLAGS, is_python_module=False, verbose=False)
 
 
 _ERROR_TAIL_LINES = 12
@@ -117,35 +101,83 @@ def _error_tail(text: str) -> str:
     return "\n".join((errors or lines)[-_ERROR_TAIL_LINES:])
 
 
-def cpu_ops():
-    """torch.ops.qwenserve, building the library the first time; None where there is no C++ compiler. Raises
-    KernelBuildError, now and at every later call, where the build fails with a compiler present."""
-    if "ops" in _state:
-        return _state["ops"]
-    with _lock:
-        if "ops" not in _state and "error" not in _state:
-            compiler = _compiler()
-            if compiler is None:
-                logger.warning("no C++ compiler found, so qwenserve's CPU kernels cannot be built: running on "
-                               "PyTorch ops, several times slower (install g++, or choose this path with "
-                               "QWENSERVE_CPU_KERNELS=0 or --no-cpu-kernels)")
-                _state["ops"] = None
-            else:
-                try:
-                    _state["ops"] = _build()
-                except Exception as e:  # noqa: BLE001 - whatever the builder raised, the message carries its log
-                    _state["error"] = KernelBuildError(
-                        f"qwenserve's CPU kernels failed to build with {compiler}:\n{_error_tail(str(e))}\n"
-                        "Without them serving runs several times slower. Fix the compiler set-up, or choose the "
-                        "PyTorch ops on purpose with QWENSERVE_CPU_KERNELS=0 or --no-cpu-kernels.")
-        if "error" in _state:
-            raise _state["error"]
-    return _state["ops"]
+def _stale_prebuilt(variant: KernelVariant) -> list[Path]:
+    """Prebuilt libraries of this variant made from other sources or flags than those shipped now."""
+    if not sources.PREBUILT_DIR.is_dir():
+        return []
+    return sorted(sources.PREBUILT_DIR.glob(f"libqwenserve_cpu_{variant.name}_*.so"))
+
+
+def _load_variant(variant: KernelVariant, how: str):
+    """The variant's ops namespace from its prebuilt library, else from a build; None where a build is needed and
+    there is no compiler; the KernelBuildError of a failed build."""
+    name = library_name(variant)
+    prebuilt = sources.prebuilt_library(name)
+    if prebuilt.is_file():
+        _load_library(prebuilt)
+        logger.info("CPU kernels: the %s variant (%s), prebuilt", variant.name, how)
+        return getattr(torch.ops, variant.namespace)
+    compiler = _compiler()
+    if compiler is None:
+        logger.warning("no C++ compiler found, and no prebuilt library of qwenserve's CPU kernels (%s variant) "
+                       "matches these sources: running on PyTorch ops, several times slower (install g++, "
+                       "reinstall qwenserve, or choose this path with QWENSERVE_CPU_KERNELS=0 or "
+                       "--no-cpu-kernels)", variant.name)
+        return None
+    stale = _stale_prebuilt(variant)
+    reason = (f"its prebuilt library {stale[0].name} was built from other sources" if stale
+              else "no prebuilt library of it (a source checkout, or a package built without torch)")
+    logger.info("CPU kernels: the %s variant (%s); %s, so compiling it once (about 20 s)", variant.name, how, reason)
+    try:
+        _build(variant)
+    except Exception as e:  # noqa: BLE001 - whatever the builder raised, the message carries its log
+        return KernelBuildError(
+            f"qwenserve's CPU kernels ({variant.name} variant) failed to build with {compiler}:\n"
+            f"{_error_tail(str(e))}\nWithout them serving runs several times slower. Fix the compiler set-up, "
+            "or choose the PyTorch ops on purpose with QWENSERVE_CPU_KERNELS=0 or --no-cpu-kernels.")
+    return getattr(torch.ops, variant.namespace)
+
+
+def variant_ops(variant: KernelVariant, how: str = "named"):
+    """The ops namespace of one variant's library, loading or building it the first time in this process (a
+    variant the CPU cannot run loads, but its ops may crash it). None where there is no compiler to build it;
+    raises KernelBuildError, now and at every later call, where its build failed with a compiler present."""
+    if variant.name not in _loaded:
+        with _lock:
+            if variant.name not in _loaded:
+                _loaded[variant.name] = _load_variant(variant, how)
+    result = _loaded[variant.name]
+    if isinstance(result, KernelBuildError):
+        raise result
+    return result
+
+
+def chosen_variant(cpu_isa: str | None = None) -> KernelVariant | None:
+    """The variant cpu_isa names (default: the enclosing use_cpu_kernels block's choice, else auto); None on an
+    architecture without variants. A name this CPU cannot run is a ConfigError."""
+    return choose_variant(cpu_isa or _state.get("cpu_isa") or AUTO)
+
+
+def cpu_ops(cpu_isa: str | None = None):
+    """The chosen variant's ops namespace (torch.ops.qwenserve_<variant>), loading it the first time; None where
+    there is no C++ compiler to build it, or no variant for this architecture. Raises KernelBuildError where the
+    build fails with a compiler present, and ConfigError for a cpu_isa this CPU cannot run."""
+    name = cpu_isa or _state.get("cpu_isa") or AUTO
+    variant = chosen_variant(name)
+    if variant is None:
+        if "no variant" not in _state:
+            _state["no variant"] = True
+            logger.warning("qwenserve's CPU kernels have no build for %s CPUs: running on PyTorch ops, several "
+                           "times slower", machine_arch())
+        return None
+    how = (f"the best of {', '.join(v.name for v in variants_for(variant.arch))} this CPU runs" if name == AUTO
+           else f"cpu_isa={name}")
+    return variant_ops(variant, how)
 
 
 def cpu_ops_for(device: torch.device | str):
-    """The kernel library for work on `device`: torch.ops.qwenserve on the CPU unless the kernels are switched
-    off (a `disabled()` block, the setting cpu_kernels off) or there is no compiler; else None. Layers call it
+    """The kernel library for work on `device`: the chosen variant's ops on the CPU unless the kernels are
+    switched off (a `disabled()` block, the setting cpu_kernels off) or cannot be had; else None. Layers call it
     once, when they are built, and keep the answer."""
     if torch.device(device).type != "cpu" or _state.get("disabled"):
         return None
@@ -153,18 +185,26 @@ def cpu_ops_for(device: torch.device | str):
 
 
 @contextmanager
-def disabled():
-    """PyTorch ops only for what is built inside the block (layers and runners choose when they are built),
-    for comparing the two paths. Blocks may nest."""
-    outer = _state.get("disabled", False)
-    _state["disabled"] = True
+def _choice(**choice):
+    outer = {key: _state.get(key) for key in choice}
+    _state.update(choice)
     try:
         yield
     finally:
-        _state["disabled"] = outer
+        _state.update(outer)
 
 
-def use_cpu_kernels(enabled: bool):
-    """A block in which models and runners are built as the setting cpu_kernels says: with the kernels, or
-    (off) on PyTorch ops only."""
-    return nullcontext() if enabled else disabled()
+def disabled():
+    """PyTorch ops only for what is built inside the block (layers and runners choose when they are built),
+    for comparing the two paths. Blocks may nest."""
+    return _choice(disabled=True)
+
+
+def use_cpu_kernels(enabled: bool, cpu_isa: str | None = None):
+    """A block in which models and runners are built as the settings cpu_kernels and cpu_isa say: with the
+    kernels of the variant cpu_isa names (None: as the enclosing block chose, else auto), or (off) on PyTorch ops
+    only. Switching them on inside a disabled block leaves them off."""
+    choice: dict[str, object] = {} if enabled else {"disabled": True}
+    if cpu_isa is not None:
+        choice["cpu_isa"] = cpu_isa
+    return _choice(**choice)

@@ -43,7 +43,8 @@ class Worker:
         self.device = torch.device(config.load.device)
         if self.device.type == "cpu":
             keep_large_allocations_in_heap()
-        with use_cpu_kernels(config.load.cpu_kernels):  # the layers choose their implementation when built
+        # the layers choose their implementation (and the kernels' variant) when built
+        with use_cpu_kernels(config.load.cpu_kernels, config.load.cpu_isa):
             self.model = load_model(resolved, self.device, tp, pp)
         self.max_model_len = resolved.max_model_len
         spec = self.model.kv_cache_spec()
@@ -77,7 +78,7 @@ class Worker:
                     num_blocks * per_block, num_blocks * per_block / (1 << 30))
         self.kv_cache = PagedKVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, self._kv_dtype,
                                      self.device)
-        with use_cpu_kernels(self.config.load.cpu_kernels):
+        with use_cpu_kernels(self.config.load.cpu_kernels, self.config.load.cpu_isa):
             self.model_runner = ModelRunner(self.model, self.kv_cache, self.device, self.config.record_logits)
 
     @property

@@ -55,7 +55,8 @@ def register(sub) -> None:
     ppl.add_argument("--json", action="store_true")
 
     kern = bench_sub.add_parser("kernels", help="every weight shape of the model: our matmul against the alternatives")
-    add_engine_args(kern, only=("model", "dtype", "max_model_len", "device", "quantization", "cpu_kernels"))
+    add_engine_args(kern, only=("model", "dtype", "max_model_len", "device", "quantization", "cpu_kernels",
+                                "cpu_isa"))
     kern.add_argument("--rows", type=positive_int, nargs="+", default=[1, 8, 32, 512],
                       help="batch rows M to time (default: 1 8 32 512)")
     kern.add_argument("--json", action="store_true")

@@ -1,6 +1,7 @@
 // The instruction-set features the kernels are compiled for, as QS_* macros that are 1 or 0: the one place that
-// reads the compiler's feature macros. The library is built with -march=native, so each macro says what this
-// machine has; a source tests `#if QS_X86_AVX2` and never `__AVX2__` itself, so the meaning of a feature class
+// reads the compiler's feature macros. Each CPU variant's library is built with its own flags
+// (qwenserve/config/cpu_variants.py), so each macro says what that variant's CPUs have; a source tests
+// `#if QS_X86_AVX2` and never `__AVX2__` itself, so the meaning of a feature class
 // (such as "AVX2 comes with FMA and F16C") is decided here once for every op family.
 //
 // x86 kernels live under arch/x86/, ARM (aarch64) kernels under arch/arm/.
@@ -20,7 +21,7 @@
 #define QS_X86_F16C 0
 #endif
 
-// AVX2 with FMA and F16C: every AVX2 CPU has all three and -march=native turns them on together
+// AVX2 with FMA and F16C: every AVX2 CPU has all three and every variant with AVX2 turns them on together
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define QS_X86_AVX2 1
 #else

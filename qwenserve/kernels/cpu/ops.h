@@ -1,7 +1,7 @@
 // The op entry points, one definition each in the op family's source file (norm.cpp, rotary.cpp,
 // activation.cpp, attention.cpp, prefill_attention.cpp, sampling.cpp, ggml/dispatch.cpp), declared here so
-// register.cpp can bind them to the schemas of torch.ops.qwenserve in one place. Each checks its arguments and
-// dispatches on the dtype (float32, float64, bfloat16, float16; the ggml ops: float32, bfloat16, float16;
+// register.cpp can bind them to the schemas of the variant's torch.ops namespace in one place. Each checks its
+// arguments and dispatches on the dtype (float32, float64, bfloat16, float16; the ggml ops: float32, bfloat16, float16;
 // prefill_attention: bf16 only); the shapes each expects are documented at its definition.
 #pragma once
 

@@ -1,13 +1,22 @@
-// Registers the fused CPU kernels for the decoder layer as torch.ops.qwenserve.*. Each replaces a chain of small
-// PyTorch ops (and their temporaries) with one pass over the data. The schemas and the CPU bindings live here
-// only: TORCH_LIBRARY may appear once per library, and keeping the bindings next to it shows every op at a
-// glance. Built at first use by qwenserve/kernels/__init__.py (every .cpp under cpu/, -O3 -march=native).
+// Registers the fused CPU kernels for the decoder layer as torch.ops.<QS_OPS_NAMESPACE>.*. Each replaces a chain
+// of small PyTorch ops (and their temporaries) with one pass over the data. The schemas and the CPU bindings live
+// here only: TORCH_LIBRARY may appear once per library, and keeping the bindings next to it shows every op at a
+// glance. Every .cpp under cpu/ is built once per CPU variant (qwenserve/config/cpu_variants.py), each library
+// with its own namespace (qwenserve_avx2, qwenserve_avx512_vnni, ...), so several variants load in one process.
 
 #include <torch/library.h>
 
 #include "ops.h"
 
-TORCH_LIBRARY(qwenserve, m) {
+#ifndef QS_OPS_NAMESPACE
+#error "QS_OPS_NAMESPACE (the torch.ops namespace of this variant's library) must be defined by the build"
+#endif
+
+// one level of indirection, so the namespace macro expands before TORCH_LIBRARY pastes and stringifies it
+#define QS_TORCH_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+#define QS_TORCH_LIBRARY_IMPL(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
+
+QS_TORCH_LIBRARY(QS_OPS_NAMESPACE, m) {
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("rotary_embedding(Tensor(a!) qkv, Tensor positions, Tensor cos_sin, int heads, int head_dim) -> ()");
@@ -23,7 +32,7 @@ TORCH_LIBRARY(qwenserve, m) {
   m.def("ggml_mm_tiles(int ggml_type) -> bool", &qwenserve::cpu::ggml_mm_tiles);  // no tensor: no dispatch key
 }
 
-TORCH_LIBRARY_IMPL(qwenserve, CPU, m) {
+QS_TORCH_LIBRARY_IMPL(QS_OPS_NAMESPACE, CPU, m) {
   m.impl("rms_norm", &qwenserve::cpu::rms_norm);
   m.impl("fused_add_rms_norm", &qwenserve::cpu::fused_add_rms_norm);
   m.impl("rotary_embedding", &qwenserve::cpu::rotary_embedding);

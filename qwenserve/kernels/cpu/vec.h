@@ -168,7 +168,7 @@ inline __m512 load16(const c10::Float8_e4m3fn* p) {
 template <typename T>
 inline constexpr bool kWideLoad = !std::is_same_v<T, double>;
 #elif QS_X86_AVX2
-// The same loads 8 wide, for AVX2 machines (every one has FMA and F16C; -march=native turns them on together).
+// The same loads 8 wide, for AVX2 machines (every one has FMA and F16C; each AVX2 variant turns on all three).
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const c10::BFloat16* p) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));

@@ -13,7 +13,7 @@ from qwenserve.kernels import cpu_ops_for
 class CustomOp(nn.Module):
     def __init__(self):
         super().__init__()
-        self.ops = cpu_ops_for(torch.empty(0).device)  # torch.ops.qwenserve, or None
+        self.ops = cpu_ops_for(torch.empty(0).device)  # the chosen variant's torch.ops namespace, or None
         self._forward = self.forward_cpu if self.ops is not None else self.forward_native
 
     def forward(self, *args, **kwargs):

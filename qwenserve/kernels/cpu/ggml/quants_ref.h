@@ -1,8 +1,8 @@
 // The scalar reference of the ggml kernels: block decoding, the activation quantizers (ggml's
 // quantize_row_q8_0_ref and quantize_row_q8_K_ref) and the dot products, in plain C++ that every CPU compiles
-// (quants_ref.cpp is built everywhere). dispatch.cpp runs it where no arch/ kernel applies, and the tests build
-// the library without AVX2 to compare the two: the same integer sum per block, so the same dequantized bits and
-// the same products up to float summation order.
+// (quants_ref.cpp is built everywhere). dispatch.cpp runs it where no arch/ kernel applies, and the tests compare
+// the baseline variant (no arch/ kernels) with every other: the same integer sum per block, so the same
+// dequantized bits and the same products up to float summation order.
 #pragma once
 
 #include <cstdint>
