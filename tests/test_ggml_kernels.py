@@ -2,10 +2,12 @@
 ggml_mm (a linear layer on quantized weights, activations quantized per row to q8_0 / q8_K as ggml does) against a
 float64 reference of the same quantization, and against F.linear on the dequantized weight."""
 import hashlib
+import json
 import os
 import platform
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import textwrap
 from pathlib import Path
@@ -275,80 +277,243 @@ def test_bad_arguments_are_rejected(ops):
         ops.ggml_mm(torch.empty(1, 4), torch.randn(1, 64), raw, int(Q.Q8_0), 1, None, 3)
 
 
-# The portable path, built without AVX2 in a subprocess (its own small library of the two ggml ops: the scalar
-# reference and the dispatch, with none of arch/x86/ compiled in), must give the same dequantized values bit for bit
-# and the same products up to float summation order.
-_SCALAR_RUN = textwrap.dedent("""
+# Variants of the library built with other instruction-set flags than this CPU's (the portable path without AVX2;
+# the AVX2 tile kernels, which an AVX512-VNNI build leaves out), each in a subprocess: its own small library of the
+# two ggml ops, which runs ggml_mm and ggml_dequantize on the cases it is given.
+_VARIANT_RUN = textwrap.dedent("""
+    import json
     import sys
     from pathlib import Path
 
     import torch
     from torch.utils.cpp_extension import load
 
-    cpu, reg, data, name = sys.argv[1:5]
+    cpu, reg, data, name, flags = sys.argv[1:6]
     sources = [str(p) for p in sorted(Path(cpu).glob("ggml/*.cpp"))] + [reg]
-    load(name=name, sources=sources, extra_include_paths=[cpu],
-         extra_cflags=["-O3", "-march=native", "-mno-avx2", "-mno-fma", "-mno-f16c", "-fopenmp"],
+    load(name=name, sources=sources, extra_include_paths=[cpu], extra_cflags=["-O3", *json.loads(flags), "-fopenmp"],
          extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
-    ops = torch.ops.qwenserve_ggml_portable
+    ops = torch.ops.qwenserve_ggml_variant
     results = []
-    for t, raw, x in torch.load(data):
+    for t, raw, group, x, levels in torch.load(data):
         y = torch.empty(x.shape[0], raw.shape[0], dtype=x.dtype)
-        ops.ggml_mm(y, x, raw, t)
-        y2 = torch.empty_like(y)
-        ops.ggml_mm(y2, x, raw, t, 1, None, 2)
-        results.append((ops.ggml_dequantize(raw, t, x.shape[1], torch.float32), y, y2))
+        ops.ggml_mm(y, x, raw, t, group, None, levels)
+        results.append((ops.ggml_dequantize(raw, t, x.shape[1], torch.float32, group), y))
     torch.save(results, data)
 """)
-_SCALAR_REGISTER = """
+_VARIANT_REGISTER = """
 #include <torch/library.h>
 #include "ops.h"
-TORCH_LIBRARY(qwenserve_ggml_portable, m) {
+TORCH_LIBRARY(qwenserve_ggml_variant, m) {
   m.def("ggml_dequantize(Tensor raw, int ggml_type, int cols, ScalarType dtype, int group=1) -> Tensor");
   m.def("ggml_mm(Tensor(a!) out, Tensor x, Tensor raw, int ggml_type, int group=1, Tensor? bias=None, "
         "int act_levels=1) -> ()");
 }
-TORCH_LIBRARY_IMPL(qwenserve_ggml_portable, CPU, m) {
+TORCH_LIBRARY_IMPL(qwenserve_ggml_variant, CPU, m) {
   m.impl("ggml_dequantize", &qwenserve::cpu::ggml_dequantize);
   m.impl("ggml_mm", &qwenserve::cpu::ggml_mm);
 }
 """
 
 
+def run_variant(tmp_path, flags, cases):
+    """[(dequantized raw, ggml_mm's out)] for cases [(ggml type, raw, group, x, act_levels)], computed by the ggml
+    ops built with the compiler flags `flags` (instead of -march=native)."""
+    cpu = Path(kernels.__file__).with_name("cpu")
+    # torch rebuilds on a changed .cpp but not on a changed header: the sources' hash goes into the name
+    tag = hashlib.sha1((kernels._cpu_tag() + kernels._source_tag() + _VARIANT_REGISTER + " ".join(flags))
+                       .encode()).hexdigest()[:8]
+    # a fixed path for the registration source, so later runs find the library built (torch's builder keys on it)
+    reg = Path(tempfile.gettempdir()) / f"qwenserve_ggml_variant_{tag}.cpp"
+    if not reg.exists() or reg.read_text() != _VARIANT_REGISTER:
+        reg.write_text(_VARIANT_REGISTER)
+    data = tmp_path / "cases.pt"
+    torch.save(cases, data)
+    proc = subprocess.run([sys.executable, "-c", _VARIANT_RUN, str(cpu), str(reg), str(data),
+                           f"qwenserve_ggml_variant_{tag}", json.dumps(flags)], capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return torch.load(data)
+
+
+def x86_cpu_flags():
+    if platform.machine() not in ("x86_64", "AMD64") or not os.path.exists("/proc/cpuinfo"):
+        return set()
+    return set(open("/proc/cpuinfo").read().split())
+
+
+# The portable path, built without AVX2 (the scalar reference and the dispatch, with none of arch/x86/ compiled
+# in), must give the same dequantized values bit for bit and the same products up to float summation order.
 @pytest.mark.kernels
 def test_portable_path_computes_the_same(ops, tmp_path):
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("the library here is already the portable build")
-    cpu = Path(kernels.__file__).with_name("cpu")
-    # torch rebuilds on a changed .cpp but not on a changed header: the sources' hash goes into the name
-    tag = hashlib.sha1((kernels._cpu_tag() + kernels._source_tag() + _SCALAR_REGISTER).encode()).hexdigest()[:8]
-    # a fixed path for the registration source, so later runs find the library built (torch's builder keys on it)
-    reg = Path(tempfile.gettempdir()) / f"qwenserve_ggml_portable_{tag}.cpp"
-    if not reg.exists() or reg.read_text() != _SCALAR_REGISTER:
-        reg.write_text(_SCALAR_REGISTER)
     cases = []
     for i, qtype in enumerate(TYPES):
         k = 512 if GGML_QUANT_SIZES[qtype][0] == 256 else 96
         for dtype in DTYPES:
             x = (torch.randn(6, k, generator=torch.Generator().manual_seed(i)) * 2).to(dtype)
-            cases.append((int(qtype), random_blocks(qtype, 21, k, seed=i, scale=0.02), x))
-    data = tmp_path / "cases.pt"
-    torch.save(cases, data)
-    proc = subprocess.run([sys.executable, "-c", _SCALAR_RUN, str(cpu), str(reg), str(data),
-                           f"qwenserve_ggml_portable_{tag}"], capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = torch.load(data)
-    for (qtype, raw, x), (deq, y, y2) in zip(cases, results):
+            raw = random_blocks(qtype, 21, k, seed=i, scale=0.02)
+            cases += [(int(qtype), raw, 1, x, 1), (int(qtype), raw, 1, x, 2)]
+    results = run_variant(tmp_path, ["-march=native", "-mno-avx2", "-mno-fma", "-mno-f16c"], cases)
+    for (qtype, raw, _, x, levels), (deq, y) in zip(cases, results):
         cols = x.shape[1]
         assert torch.equal(deq, ops.ggml_dequantize(raw, qtype, cols, torch.float32))
         got = torch.empty_like(y)
-        ops.ggml_mm(got, x, raw, qtype)
+        ops.ggml_mm(got, x, raw, qtype, 1, None, levels)  # two activation levels: the same too
         w = deq.double()
         xq, _ = quantize_ref(x, Q(qtype))
         magnitude = xq.abs() @ w.abs().T
         assert ((got.double() - y.double()).abs() <= 1e-5 * magnitude + output_ulp(x.dtype) * y.double().abs()).all()
-        ops.ggml_mm(got, x, raw, qtype, 1, None, 2)  # two activation levels: the same too
-        assert ((got.double() - y2.double()).abs() <= 1e-5 * magnitude + output_ulp(x.dtype) * y2.double().abs()).all()
+
+
+def exact_blocks(qtype, rows, cols, seed):
+    """Weights whose products with integer activations are exact in float32: fp16 scales of +-1 (mins 0, 1, -1),
+    sub-block scales in [0, 3] (Q6_K's in [-3, 3]), random codes except that the first 3 rows of every 8 hold the
+    largest codes (Q8_0: -128, -128, 127), where u8 x s8 pair sums come closest to int16's limit."""
+    block_elems, block_bytes = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows, cols // block_elems, block_bytes), dtype=np.uint8)
+    extreme = (np.arange(rows) % 8 < 3)[:, None]
+
+    def pick_fp16(*values):  # one of values per block, as its two bytes
+        chosen = np.array(values, np.float16)[rng.integers(0, len(values), blocks.shape[:2])]
+        return chosen.view(np.uint8).reshape(blocks.shape[:2] + (2,))
+
+    codes = {Q.Q4_0: (2, 18), Q.Q4_1: (4, 20), Q.Q5_0: (2, 22), Q.Q4_K: (16, 144), Q.Q5_K: (16, 176),
+             Q.Q6_K: (0, 192)}
+    if qtype == Q.Q8_0:
+        blocks[:, :, 2:] = np.where(extreme[:, :, None], np.where(np.arange(rows) % 8 < 2, 0x80, 0x7F)[:, None, None],
+                                    blocks[:, :, 2:])
+    else:
+        lo, hi = codes[qtype]
+        blocks[:, :, lo:hi] = np.where(extreme[:, :, None], 0xFF, blocks[:, :, lo:hi])
+    if qtype in (Q.Q4_K, Q.Q5_K):  # bytes 4-7 scales 0-3, 8-11 mins 0-3 (their top bits: 4-7's), 12-15 nibbles of 4-7
+        blocks[:, :, 4:12] = rng.integers(0, 4, blocks.shape[:2] + (8,))
+        scales, mins = rng.integers(0, 4, (2,) + blocks.shape[:2] + (4,))
+        blocks[:, :, 12:16] = scales | mins << 4
+    if qtype == Q.Q6_K:
+        blocks[:, :, 192:208] = rng.integers(-3, 4, blocks.shape[:2] + (16,)).astype(np.int8).view(np.uint8)
+    scale_at = SCALE_OFFSETS[qtype][0]
+    blocks[:, :, scale_at:scale_at + 2] = pick_fp16(1.0, -1.0)
+    if len(SCALE_OFFSETS[qtype]) == 2:  # Q4_1's m, the K-quants' dmin
+        blocks[:, :, 2:4] = pick_fp16(1.0, 0.0, -1.0)
+    return torch.from_numpy(blocks.reshape(rows, -1))
+
+
+def exact_activations(m, k, block, seed):
+    """Integer activations that ggml's quantizers keep as they are (every block holds a +-127, so d = +-1): rows of
+    all 127, all -127, then random ones."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-127, 128, (m, k), generator=g).float()
+    x[:, ::block] = torch.where(torch.rand(m, k // block, generator=g) < 0.5, 127.0, -127.0)
+    x[0::3] = 127.0
+    x[1::3] = -127.0
+    return x
+
+
+EXACT_ROWS = (1, 3, 4, 5, 9, 17, 20)
+
+
+def exact_cases(qtype, n=40):
+    """(raw, grouped raw, xs, the exact products) for exact_blocks and exact_activations"""
+    block = GGML_QUANT_SIZES[qtype][0]
+    k = 512 if block == 256 else 160
+    raw = exact_blocks(qtype, n, k, seed=int(qtype))
+    grouped = GGMLTensor.from_bytes(raw, qtype, (n, k)).grouped().raw
+    w = reference_dequant(raw, qtype, k).double()
+    xs = [exact_activations(m, k, block, seed=m) for m in EXACT_ROWS]
+    want = [x.double() @ w.T for x in xs]
+    assert all((p.abs() < 2 ** 24).all() and (p == p.round()).all() for p in want)  # float32 holds them exactly
+    return raw, grouped, xs, want
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_mm_is_exact_at_the_largest_codes(ops, qtype):
+    """With integer activations that quantize to themselves and weights whose products stay below 2^24, every
+    kernel (decode, tiles; both layouts) gives the integer products exactly, at the largest codes against +-127
+    included: where int16 pair sums saturated or wrapped, the results would be far off."""
+    raw, grouped, xs, want = exact_cases(qtype)
+    for x, expected in zip(xs, want):
+        for weights, group in ((raw, 1), (grouped, DECODE_GROUP)):
+            got = torch.empty(x.shape[0], raw.shape[0])
+            ops.ggml_mm(got, x, weights, int(qtype), group)
+            assert torch.equal(got.double(), expected), (x.shape[0], group)
+
+
+AVX2_TILE_ROWS = list(range(1, 41)) + [64, 100]
+# the AVX2 tile kernels' builds: maddubs (Haswell and later), and vpdpbusd on 256-bit vectors (AVX512-VNNI with VL,
+# without AVX512BW, so that the 512-bit kernels stay out), each with the CPU flags it needs to run
+AVX2_TILE_BUILDS = {
+    "haswell": (["-march=haswell"], {"avx2", "fma", "f16c"}),
+    "vnni-vl": (["-march=haswell", "-mavx512f", "-mavx512vl", "-mavx512vnni"],
+                {"avx2", "fma", "f16c", "avx512f", "avx512vl", "avx512_vnni"}),
+}
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("build", list(AVX2_TILE_BUILDS))
+def test_avx2_tiles_match_the_reference(ops, tmp_path, build):
+    """The AVX2 tile kernels (a build without AVX512-VNNI, many activation rows in the decode layout) at 1 .. 40,
+    64 and 100 rows, 40 weight rows (not a multiple of 16): within float summation of the quantized reference for
+    random weights, float32 and bf16, one and two activation levels; exact where the products are integers below
+    2^24, at the largest codes."""
+    flags, needs = AVX2_TILE_BUILDS[build]
+    missing = needs - x86_cpu_flags()
+    if missing:
+        pytest.skip(f"this CPU lacks {sorted(missing)}")
+    n, cases, checks = 40, [], []
+    for qtype in TYPES:
+        k = 512 if GGML_QUANT_SIZES[qtype][0] == 256 else 160
+        raw = random_blocks(qtype, n, k, seed=int(qtype) * 7, scale=0.02)
+        grouped = GGMLTensor.from_bytes(raw, qtype, (n, k)).grouped().raw
+        for m in AVX2_TILE_ROWS:
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 2
+            cases.append((int(qtype), grouped, DECODE_GROUP, x, 1))
+            checks.append(("reference", qtype, raw, x, 1))
+        for m, dtype in ((6, torch.float32), (17, torch.float32), (36, torch.bfloat16)):
+            x = (torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 2).to(dtype)
+            cases.append((int(qtype), grouped, DECODE_GROUP, x, 2))
+            checks.append(("this build", qtype, raw, x, 2))
+        exact_raw, exact_grouped, xs, want = exact_cases(qtype, n)
+        for x, expected in zip(xs, want):
+            cases.append((int(qtype), exact_grouped, DECODE_GROUP, x, 1))
+            checks.append(("exact", qtype, exact_raw, x, expected))
+    results = run_variant(tmp_path, flags, cases)
+    for (kind, qtype, raw, x, extra), (deq, y) in zip(checks, results):
+        where = (build, qtype.name, kind, x.shape[0])
+        k = x.shape[1]
+        assert torch.equal(deq, reference_dequant(raw, qtype, k)), where
+        if kind == "exact":
+            assert torch.equal(y.double(), extra), where
+            continue
+        w = deq.double()
+        xq, _ = quantize_ref(x, qtype)
+        magnitude = xq.abs() @ w.abs().T
+        if kind == "reference":
+            want = xq @ w.T
+        else:  # two levels: as this machine's library computes them
+            mine = torch.empty_like(y)
+            ops.ggml_mm(mine, x, raw, int(qtype), 1, None, 2)
+            want = mine.double()
+        assert ((y.double() - want).abs() <= 1e-5 * magnitude + output_ulp(x.dtype) * want.abs()).all(), where
+
+
+@pytest.mark.kernels
+def test_avx_vnni_build_compiles_its_dot_products(tmp_path):
+    """An AVX-VNNI build (Alder Lake and later clients: 256-bit vpdpbusd without AVX-512) compiles, with the tile
+    kernels' dot products as VEX vpdpbusd. This CPU may lack AVX-VNNI, so the build is not run."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("an x86 build")
+    from torch.utils.cpp_extension import include_paths
+    cpu = Path(kernels.__file__).with_name("cpu")
+    obj = tmp_path / "dispatch.o"
+    cmd = [os.environ.get("CXX", "c++"), "-std=c++17", "-O1", "-march=haswell", "-mavxvnni", "-fopenmp",
+           *(f"-I{p}" for p in include_paths()), f"-I{sysconfig.get_paths()['include']}", f"-I{cpu}", "-c",
+           str(cpu / "ggml" / "dispatch.cpp"), "-o", str(obj)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    disassembly = subprocess.run(["objdump", "-d", str(obj)], capture_output=True, text=True, check=True).stdout
+    assert "{vex} vpdpbusd" in disassembly
 
 
 def test_the_tile_kernel_is_built_where_the_cpu_has_vnni(ops):
