@@ -316,8 +316,9 @@ TORCH_LIBRARY_IMPL(qwenserve_ggml_variant, CPU, m) {
 
 
 def run_variant(tmp_path, flags, cases):
-    """[(dequantized raw, ggml_mm's out)] for cases [(ggml type, raw, group, x, act_levels)], computed by the ggml
-    ops built with the compiler flags `flags` (instead of -march=native)."""
+    """([(dequantized raw, ggml_mm's out)] for cases [(ggml type, raw, group, x, act_levels)], the library's path),
+    computed by the ggml ops built with the compiler flags `flags` (instead of -march=native)."""
+    from torch.utils.cpp_extension import _get_build_directory
     cpu = Path(kernels.__file__).with_name("cpu")
     # torch rebuilds on a changed .cpp but not on a changed header: the sources' hash goes into the name
     tag = hashlib.sha1((kernels._cpu_tag() + kernels._source_tag() + _VARIANT_REGISTER + " ".join(flags))
@@ -326,13 +327,13 @@ def run_variant(tmp_path, flags, cases):
     reg = Path(tempfile.gettempdir()) / f"qwenserve_ggml_variant_{tag}.cpp"
     if not reg.exists() or reg.read_text() != _VARIANT_REGISTER:
         reg.write_text(_VARIANT_REGISTER)
+    name = f"qwenserve_ggml_variant_{tag}"
     data = tmp_path / "cases.pt"
     torch.save(cases, data)
-    proc = subprocess.run([sys.executable, "-c", _VARIANT_RUN, str(cpu), str(reg), str(data),
-                           f"qwenserve_ggml_variant_{tag}", json.dumps(flags)], capture_output=True, text=True,
-                          timeout=900)
+    proc = subprocess.run([sys.executable, "-c", _VARIANT_RUN, str(cpu), str(reg), str(data), name, json.dumps(flags)],
+                          capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return torch.load(data)
+    return torch.load(data), Path(_get_build_directory(name, False)) / f"{name}.so"
 
 
 def x86_cpu_flags():
@@ -354,7 +355,7 @@ def test_portable_path_computes_the_same(ops, tmp_path):
             x = (torch.randn(6, k, generator=torch.Generator().manual_seed(i)) * 2).to(dtype)
             raw = random_blocks(qtype, 21, k, seed=i, scale=0.02)
             cases += [(int(qtype), raw, 1, x, 1), (int(qtype), raw, 1, x, 2)]
-    results = run_variant(tmp_path, ["-march=native", "-mno-avx2", "-mno-fma", "-mno-f16c"], cases)
+    results, _ = run_variant(tmp_path, ["-march=native", "-mno-avx2", "-mno-fma", "-mno-f16c"], cases)
     for (qtype, raw, _, x, levels), (deq, y) in zip(cases, results):
         cols = x.shape[1]
         assert torch.equal(deq, ops.ggml_dequantize(raw, qtype, cols, torch.float32))
@@ -478,7 +479,9 @@ def test_avx2_tiles_match_the_reference(ops, tmp_path, build):
         for x, expected in zip(xs, want):
             cases.append((int(qtype), exact_grouped, DECODE_GROUP, x, 1))
             checks.append(("exact", qtype, exact_raw, x, expected))
-    results = run_variant(tmp_path, flags, cases)
+    results, library = run_variant(tmp_path, flags, cases)
+    symbols = subprocess.run(["nm", "-C", str(library)], capture_output=True, text=True, check=True).stdout
+    assert "x86::mm_avx2_tiles<" in symbols, "the build's dispatch holds no AVX2 tile kernel"
     for (kind, qtype, raw, x, extra), (deq, y) in zip(checks, results):
         where = (build, qtype.name, kind, x.shape[0])
         k = x.shape[1]
