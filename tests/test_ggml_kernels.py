@@ -381,3 +381,77 @@ def test_activations_round_half_away_from_zero_as_ggml(ops):
             out = torch.empty(rows, 32)
             ops.ggml_mm(out, x.repeat(rows, 1), raw, int(Q.Q8_0), group)
             assert torch.equal(out, want.repeat(rows, 1)), (rows, group, out[0])
+
+
+def exact_blocks(qtype, rows, cols, seed):
+    """Weights whose products with integer activations are exact in float32: fp16 scales of +-1 (mins 0, 1, -1),
+    sub-block scales in [0, 3] (Q6_K's in [-3, 3]), random codes except that the first 3 rows of every 8 hold the
+    largest codes (Q8_0: -128, -128, 127), where u8 x s8 pair sums come closest to int16's limit."""
+    block_elems, block_bytes = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows, cols // block_elems, block_bytes), dtype=np.uint8)
+    extreme = (np.arange(rows) % 8 < 3)[:, None]
+
+    def pick_fp16(*values):  # one of values per block, as its two bytes
+        chosen = np.array(values, np.float16)[rng.integers(0, len(values), blocks.shape[:2])]
+        return chosen.view(np.uint8).reshape(blocks.shape[:2] + (2,))
+
+    codes = {Q.Q4_0: (2, 18), Q.Q4_1: (4, 20), Q.Q5_0: (2, 22), Q.Q4_K: (16, 144), Q.Q5_K: (16, 176),
+             Q.Q6_K: (0, 192)}
+    if qtype == Q.Q8_0:
+        blocks[:, :, 2:] = np.where(extreme[:, :, None], np.where(np.arange(rows) % 8 < 2, 0x80, 0x7F)[:, None, None],
+                                    blocks[:, :, 2:])
+    else:
+        lo, hi = codes[qtype]
+        blocks[:, :, lo:hi] = np.where(extreme[:, :, None], 0xFF, blocks[:, :, lo:hi])
+    if qtype in (Q.Q4_K, Q.Q5_K):  # bytes 4-7 scales 0-3, 8-11 mins 0-3 (their top bits: 4-7's), 12-15 nibbles of 4-7
+        blocks[:, :, 4:12] = rng.integers(0, 4, blocks.shape[:2] + (8,))
+        scales, mins = rng.integers(0, 4, (2,) + blocks.shape[:2] + (4,))
+        blocks[:, :, 12:16] = scales | mins << 4
+    if qtype == Q.Q6_K:
+        blocks[:, :, 192:208] = rng.integers(-3, 4, blocks.shape[:2] + (16,)).astype(np.int8).view(np.uint8)
+    scale_at = SCALE_OFFSETS[qtype][0]
+    blocks[:, :, scale_at:scale_at + 2] = pick_fp16(1.0, -1.0)
+    if len(SCALE_OFFSETS[qtype]) == 2:  # Q4_1's m, the K-quants' dmin
+        blocks[:, :, 2:4] = pick_fp16(1.0, 0.0, -1.0)
+    return torch.from_numpy(blocks.reshape(rows, -1))
+
+
+def exact_activations(m, k, block, seed):
+    """Integer activations that ggml's quantizers keep as they are (every block holds a +-127, so d = +-1): rows of
+    all 127, all -127, then random ones."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-127, 128, (m, k), generator=g).float()
+    x[:, ::block] = torch.where(torch.rand(m, k // block, generator=g) < 0.5, 127.0, -127.0)
+    x[0::3] = 127.0
+    x[1::3] = -127.0
+    return x
+
+
+EXACT_ROWS = (1, 3, 4, 5, 9, 17, 20)
+
+
+def exact_cases(qtype, n=40):
+    """(raw, grouped raw, xs, the exact products) for exact_blocks and exact_activations"""
+    block = GGML_QUANT_SIZES[qtype][0]
+    k = 512 if block == 256 else 160
+    raw = exact_blocks(qtype, n, k, seed=int(qtype))
+    grouped = GGMLTensor.from_bytes(raw, qtype, (n, k)).grouped().raw
+    w = reference_dequant(raw, qtype, k).double()
+    xs = [exact_activations(m, k, block, seed=m) for m in EXACT_ROWS]
+    want = [x.double() @ w.T for x in xs]
+    assert all((p.abs() < 2 ** 24).all() and (p == p.round()).all() for p in want)  # float32 holds them exactly
+    return raw, grouped, xs, want
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_mm_is_exact_at_the_largest_codes(ops, qtype):
+    """With integer activations that quantize to themselves and weights whose products stay below 2^24, every
+    kernel (decode, tiles; both layouts) gives the integer products exactly, at the largest codes against +-127
+    included: where int16 pair sums saturated or wrapped, the results would be far off."""
+    raw, grouped, xs, want = exact_cases(qtype)
+    for x, expected in zip(xs, want):
+        for weights, group in ((raw, 1), (grouped, DECODE_GROUP)):
+            got = torch.empty(x.shape[0], raw.shape[0])
+            ops.ggml_mm(got, x, weights, int(qtype), group)
+            assert torch.equal(got.double(), expected), (x.shape[0], group)

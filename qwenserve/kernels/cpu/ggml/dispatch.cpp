@@ -13,8 +13,11 @@
 // with the bundled model's weights from memory, 1.0x (Q6_K) to 1.5x (Q5_0) the speed of row by row in the file's
 // layout. With AVX512-VNNI, from 4 activation rows a group of 8 weight rows is decoded once per call and swept by
 // all activation rows, 16 at a time (mm_tiles); from 16 activation rows, groups of 16 weight rows, one per int32
-// lane (mm_tiles16). On ARM with i8mm the same from 4 activation rows: a group of 8 weight rows decoded once per
-// call into smmla's operands and swept by the activation rows two at a time (arch/arm/i8mm.h).
+// lane (mm_tiles16). On AVX2 without AVX512-VNNI the same from kAvx2TileMinRows activation rows in 256-bit vectors:
+// a group of 8 weight rows decoded once per call, one row per int32 lane, swept by all activation rows 8 at a time
+// (mm_avx2_tiles: maddubs + madd with int16 sums kept exact, or vpdpbusd where the build has 256-bit VNNI). On
+// ARM with i8mm the same from 4 activation rows: a group of 8 weight rows decoded once per call into smmla's
+// operands and swept by the activation rows two at a time (arch/arm/i8mm.h).
 //
 // Where the kernels live (the include path is cpu/):
 //   ggml/common.h          block layouts, activation blocks, kernel types, row layouts
@@ -22,6 +25,7 @@
 //   arch/x86/avx2.h        AVX2 block decoders and dot products (one row, and 8 rows of the decode layout)
 //   arch/x86/avx512.h      the AVX-512 activation quantizer and decode kernel of the 4-bit 32-blocks
 //   arch/x86/vnni_tiles.h  the AVX512-VNNI tile kernels for many activation rows
+//   arch/x86/avx2_tiles.h  the 256-bit tile kernels for many activation rows, where the build lacks AVX512-VNNI
 //   arch/x86/dequantize.h  x86 block dequantizing
 //   arch/arm/neon.h        aarch64 NEON block decoders, activation quantizers and block dequantizing
 //   arch/arm/dotprod.h     aarch64 dot products (sdot where the CPU has dotprod; one row, and 8 rows of the
@@ -45,6 +49,7 @@
 
 #if QS_X86_AVX2
 #include "arch/x86/avx2.h"
+#include "arch/x86/avx2_tiles.h"
 #include "arch/x86/avx512.h"
 #include "arch/x86/dequantize.h"
 #include "arch/x86/vnni_tiles.h"
@@ -160,6 +165,11 @@ void mm_quantized(T* out, int64_t ldo, int64_t levels, const std::vector<typenam
       x86::mm_tiles<Kernel>(out, ldo, levels, act.data(), M, nb, w, N, bias);
       return;
     }
+  }
+#elif QS_X86_AVX2
+  if (w.group == kDecodeGroup && M >= x86::kAvx2TileMinRows) {
+    x86::mm_avx2_tiles<Kernel>(out, ldo, levels, act.data(), M, nb, w, N, bias);
+    return;
   }
 #elif QS_ARM_I8MM
   if (w.group == kDecodeGroup && M >= arm::kTileMinRows) {
@@ -329,6 +339,9 @@ void ggml_mm(at::Tensor& out, const at::Tensor& x, const at::Tensor& raw, int64_
   });
 }
 
+// Whether the AVX512-VNNI tile kernels run this type: the layers then leave the dense route to the tuning table's
+// tile thresholds (docs/tuning.md, "Tiles"). The AVX2 tile kernels do not count: whether they beat the dense route
+// of CPUs without native bf16 is unmeasured, so there the dense route keeps its own thresholds.
 bool ggml_mm_tiles(int64_t ggml_type) {
   using namespace ggml;
   switch (ggml_type) {
