@@ -167,9 +167,11 @@ void mm_quantized(T* out, int64_t ldo, int64_t levels, const std::vector<typenam
     }
   }
 #elif QS_X86_AVX2
-  if (w.group == kDecodeGroup && M >= x86::kAvx2TileMinRows) {
-    x86::mm_avx2_tiles<Kernel>(out, ldo, levels, act.data(), M, nb, w, N, bias);
-    return;
+  if constexpr (x86::kAvx2Tiles<Kernel>) {
+    if (w.group == kDecodeGroup && M >= x86::kAvx2TileMinRows) {
+      x86::mm_avx2_tiles<Kernel>(out, ldo, levels, act.data(), M, nb, w, N, bias);
+      return;
+    }
   }
 #elif QS_ARM_I8MM
   if (w.group == kDecodeGroup && M >= arm::kTileMinRows) {

@@ -31,8 +31,8 @@
 
 namespace qwenserve::cpu::ggml::x86 {
 
-// below this many activation rows the decode kernel (dot8) is used instead
-constexpr int64_t kAvx2TileMinRows = 4;
+// below this many activation rows the decode kernel (dot8) is faster (docs/performance.md, "AVX2 tile kernels")
+constexpr int64_t kAvx2TileMinRows = 16;
 constexpr int kAvx2TileRows = 8;  // activation rows per pass over a decoded group
 
 // The largest unsigned code the sweeps meet per kernel type. Q8_0's signed codes are moved up by 128 and, without
@@ -52,6 +52,11 @@ template <typename Kernel>
 constexpr int kInt16Quads = 32767 / (2 * 128 * kMaxCode<Kernel>);
 static_assert(kInt16Quads<LegacyUnsigned<kQ4_0>> == 8 && kInt16Quads<KQuant45<kQ5_K>> == 4 &&
               kInt16Quads<Q6_KKernel> == 2);
+
+// Whether the tiles run a kernel type: without vpdpbusd, Q8_0's two nibble products per quad cost more than dot8's
+// sign trick saves by decoding once, so Q8_0 stays on dot8 there
+template <typename Kernel>
+constexpr bool kAvx2Tiles = QS_AVX2_TILES_DPBUSD || !std::is_same_v<Kernel, Q8_0Kernel>;
 
 // The offset the codes carry (Q4_0 8, Q5_0 16, Q8_0's 128), taken off through the activation block's sum
 template <typename Kernel>
