@@ -71,6 +71,8 @@ def _kernel_build() -> dict:
                 self.build_temp = shared_temp
 
         def run(self):
+            # an editable install copies the libraries into the source tree, where a fresh clone has no _prebuilt/
+            sources.PREBUILT_DIR.mkdir(exist_ok=True)
             if self.inplace or getattr(self, "editable_mode", False):
                 keep = {f"{ext.name.rsplit('.', 1)[-1]}.so" for ext in self.extensions}
                 for old in sources.PREBUILT_DIR.glob("libqwenserve_cpu_*.so"):
