@@ -5,7 +5,6 @@ and run under qemu-user, or natively on an aarch64 host. The harness checks ever
 quantizers. The cross-compiler and qemu come from scripts/ensure_arm_tools.sh."""
 from __future__ import annotations
 
-import hashlib
 import os
 import platform
 import shutil
@@ -15,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from qwenserve import kernels
+from qwenserve.kernels import sources
 from qwenserve.config.cpu_variants import VARIANTS
 
 pytestmark = pytest.mark.kernels
 
 ROOT = Path(__file__).resolve().parent.parent
-CPU = Path(kernels.__file__).with_name("cpu")
+CPU = sources.SOURCE_DIR
 HARNESS = ROOT / "tests" / "arm"
 NATIVE = platform.machine() in ("aarch64", "arm64")
 CXX = "g++" if NATIVE else "aarch64-linux-gnu-g++"
@@ -53,12 +52,7 @@ def _require_tools() -> None:
 def _sources_tag(*extra: str) -> str:
     """A hash of every source the builds read and of how they are built: a build is reused only while they stay
     the same."""
-    digest = hashlib.sha1("\0".join(extra).encode())
-    for root in (CPU, HARNESS):
-        for path in sorted(root.rglob("*")):
-            if path.suffix in (".h", ".cpp"):
-                digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
-    return digest.hexdigest()[:12]
+    return sources.source_hash([*extra, sources.source_hash([], HARNESS)], CPU)
 
 
 def _cache_dir() -> Path:

@@ -152,18 +152,23 @@ def variant_ops(variant: KernelVariant, how: str = "named"):
     return result
 
 
+def _requested(cpu_isa: str | None) -> str:
+    """cpu_isa, else the enclosing use_cpu_kernels block's choice, else auto."""
+    return cpu_isa or _state.get("cpu_isa") or AUTO
+
+
 def chosen_variant(cpu_isa: str | None = None) -> KernelVariant | None:
     """The variant cpu_isa names (default: the enclosing use_cpu_kernels block's choice, else auto); None on an
     architecture without variants. A name this CPU cannot run is a ConfigError."""
-    return choose_variant(cpu_isa or _state.get("cpu_isa") or AUTO)
+    return choose_variant(_requested(cpu_isa))
 
 
 def cpu_ops(cpu_isa: str | None = None):
     """The chosen variant's ops namespace (torch.ops.qwenserve_<variant>), loading it the first time; None where
     there is no C++ compiler to build it, or no variant for this architecture. Raises KernelBuildError where the
     build fails with a compiler present, and ConfigError for a cpu_isa this CPU cannot run."""
-    name = cpu_isa or _state.get("cpu_isa") or AUTO
-    variant = chosen_variant(name)
+    name = _requested(cpu_isa)
+    variant = choose_variant(name)
     if variant is None:
         if "no variant" not in _state:
             _state["no variant"] = True

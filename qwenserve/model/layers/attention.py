@@ -89,8 +89,8 @@ class PagedKVCache:
 
     On the CPU every tensor lives in one anonymous mapping of the cache's own (`untouched_zeros`): memory reserved,
     not resident, until a block's slots are first written, so resident memory follows the blocks the scheduler has
-    handed out (it reuses freed blocks before fresh ones, and fresh ones lowest id first). Slots never written read
-    as zeros, which padded reads rely on: they are masked, but must be finite (NaN * 0 = NaN)."""
+    handed out (core/kv_cache_manager.py keeps those near the peak in use, fresh ones lowest id first). Slots never
+    written read as zeros, which padded reads rely on: they are masked, but must be finite (NaN * 0 = NaN)."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu"):
