@@ -176,8 +176,8 @@ def test_bundled_gguf_in_float32_decodes_greedily_as_the_exact_path():
 
 @pytest.mark.slow
 def test_bundled_gguf_in_bf16_decodes_a_prompt_alone_as_the_exact_path():
-    """The default (gguf, bf16), each of compare's prompts decoding alone (one activation row, two int8 codes
-    each: ggml_blocks.activation_levels_for_rows): fed the tokens it chose, the exact path in the same dtype
+    """The default (gguf, bf16), each of compare's prompts decoding alone (one activation row, one int8 code
+    each: ggml_blocks.activation_levels): fed the tokens it chose, the exact path in the same dtype
     (quantization none, bf16) picks the same next token at >= 98% of the positions. Free-running sequences are
     not compared position by position: after a near-tie the two paths write different texts, and where the
     near-ties fall depends on the CPU's bf16 arithmetic (native or emulated)."""

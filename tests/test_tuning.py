@@ -11,7 +11,6 @@ from qwenserve.config import tuning
 from qwenserve.config.engine_config import SchedulerConfig
 from qwenserve.model.layers.quantization.ggml_blocks import (
     activation_levels,
-    activation_levels_for_rows,
     dense_route,
     tiles_dense_from_rows,
 )
@@ -58,8 +57,6 @@ def test_each_class_chooses_the_measured_thresholds(name):
     assert tiles_dense_from_rows(_tiled_layer(table, torch.float32, Q.Q4_K)) == sys.maxsize
     assert (activation_levels(torch.float32, table), activation_levels(torch.bfloat16, table),
             activation_levels(torch.float16, table)) == (2, 1, 1)
-    layer = SimpleNamespace(act_levels=1, act_levels_one_row=table.activation_codes_one_row)
-    assert (activation_levels_for_rows(layer, 1), activation_levels_for_rows(layer, 2)) == (2, 1)
     assert (table.dense_slice_weights, table.mlp_rows_per_pass) == (1 << 20, 512)
     assert (table.pipelined_step_tokens, table.head_cost_share) == (512, 0.6)
 

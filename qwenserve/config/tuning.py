@@ -45,11 +45,8 @@ class CPUTuning:
     tiles_dense_from_rows_float32: int
     # int8 codes per activation in a float32 run: two follow the exact path's greedy tokens (tuning.md#activation-codes)
     activation_codes_float32: int
-    # int8 codes per activation in a bf16 or fp16 run, several rows at a time (tuning.md#activation-codes)
+    # int8 codes per activation in a bf16 or fp16 run, whatever the rows (tuning.md#activation-codes)
     activation_codes_half: int
-    # int8 codes for a row alone (batch-1 decode), any dtype: the weights' streaming bounds that step
-    # (tuning.md#activation-codes)
-    activation_codes_one_row: int
     # weights dequantized at a time on the dense route: the slice stays in cache (tuning.md#dense-slice-weights)
     dense_slice_weights: int
     # the MLP takes longer batches in slices of this many rows: its activation then stays in cache
@@ -73,7 +70,6 @@ PORTABLE = CPUTuning(
     tiles_dense_from_rows_float32=NEVER,
     activation_codes_float32=2,
     activation_codes_half=1,
-    activation_codes_one_row=2,
     dense_slice_weights=1 << 20,
     mlp_rows_per_pass=512,
     pipelined_step_tokens=512,

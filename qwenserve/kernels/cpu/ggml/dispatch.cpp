@@ -22,8 +22,10 @@
 // Where the kernels live (the include path is cpu/):
 //   ggml/common.h          block layouts, activation blocks, kernel types, row layouts
 //   ggml/quants_ref.*      the scalar reference, built on every CPU: what runs where no arch/ kernel applies
-//   arch/x86/avx2.h        AVX2 block decoders and dot products (one row, and 8 rows of the decode layout)
-//   arch/x86/avx512.h      the AVX-512 activation quantizer and decode kernel of the 4-bit 32-blocks
+//   arch/x86/avx2.h        AVX2 block decoders and dot products (one row, and 8 rows of the decode layout), and
+//                          the q8_K activation quantizer
+//   arch/x86/avx512.h      the AVX-512 q8_0 activation quantizer and 512-bit decode kernels: the 4-bit
+//                          32-blocks' (dot8_legacy512) and the K-quants' (dot8_kquant512)
 //   arch/x86/vnni_tiles.h  the AVX512-VNNI tile kernels for many activation rows
 //   arch/x86/avx2_tiles.h  the 256-bit tile kernels for many activation rows, where the build lacks AVX512-VNNI
 //   arch/x86/dequantize.h  x86 block dequantizing
@@ -84,7 +86,9 @@ void quantize_row(const T* x, int64_t K, ActQ8_0* y) {
 }
 template <typename T>
 void quantize_row(const T* x, int64_t K, ActQ8_K* y) {
-#if QS_ARM_NEON
+#if QS_X86_AVX2
+  x86::quantize_row_q8_K(x, K / 256, y);
+#elif QS_ARM_NEON
   arm::quantize_row_q8_K(x, K / 256, y);
 #else
   ref::quantize_row_q8_K(x, K / 256, y);
@@ -136,6 +140,10 @@ void decode_group(const uint8_t* w, int64_t nb, const typename Kernel::Act* cons
 #if QS_X86_AVX512BW
   if constexpr (x86::kWide512<Kernel>) {
     x86::dot8_legacy512<Kernel, R>(w, nb, y, res);
+    return;
+  }
+  if constexpr (x86::kWideK512<Kernel> && R <= 2) {  // 3 or 4 rows' vectors would not fit the registers
+    x86::dot8_kquant512<Kernel, R>(w, nb, y, res);
     return;
   }
 #endif

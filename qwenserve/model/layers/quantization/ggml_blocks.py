@@ -55,18 +55,10 @@ def tiles_dense_from_rows(layer: nn.Module) -> int | None:
 
 
 def activation_levels(dtype: torch.dtype, tuning: CPUTuning) -> int:
-    """How many int8 codes ggml_mm gives each activation of several rows (one row alone: see
-    activation_levels_for_rows): one (llama.cpp's q8_0 / q8_K) in bf16 and fp16 runs; two in float32 runs (the
-    second quantizes what the first left, about 15 bits in all), so that greedy decoding follows the exact path
-    (quantization none) there: docs/tuning.md, "Activation codes"."""
+    """How many int8 codes ggml_mm gives each activation, whatever the rows: one (llama.cpp's q8_0 / q8_K) in bf16
+    and fp16 runs; two in float32 runs (the second quantizes what the first left, about 15 bits in all), so that
+    greedy decoding follows the exact path (quantization none) there: docs/tuning.md, "Activation codes"."""
     return tuning.activation_codes_float32 if dtype == torch.float32 else tuning.activation_codes_half
-
-
-def activation_levels_for_rows(layer: nn.Module, rows: int) -> int:
-    """A single row (batch-1 decode) gets the table's codes for a row alone (two, in every dtype): there the
-    weights' streaming bounds the step, so the second code's dot products cost little, and greedy decoding of one
-    request follows the exact path (docs/tuning.md, "Activation codes")."""
-    return layer.act_levels_one_row if rows == 1 else layer.act_levels
 
 
 _DENSE = UnquantizedLinearMethod()  # what a dequantized layer runs
@@ -86,7 +78,6 @@ class GGMLBlockLinearMethod(LinearMethod):
         layer.tuning = this_cpu_tuning()  # the row thresholds, chosen once, here
         layer.dense_from_rows, layer.dense_dtype = dense_route(layer.weight_dtype, layer.tuning)
         layer.act_levels = activation_levels(layer.weight_dtype, layer.tuning)
-        layer.act_levels_one_row = layer.tuning.activation_codes_one_row
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         layer.segments.sort(key=lambda s: s[0])
@@ -117,7 +108,7 @@ class GGMLBlockLinearMethod(LinearMethod):
         ops = layer.ggml_ops
         x = x.contiguous() if layer.input_order is None else x.index_select(1, layer.input_order)
         out = x.new_empty(x.shape[0], layer.output_size)
-        levels = activation_levels_for_rows(layer, x.shape[0])
+        levels = layer.act_levels
         if x.shape[0] < layer.dense_from_rows and layer.kernel_calls is not None and bias is layer.kernel_bias:
             # few rows, every segment a kernel call (decode): the bias rides in the kernel, and a segment that is
             # the whole output writes it without a slice (both measurable at batch 1)

@@ -5,6 +5,7 @@
 // (_mm256_maddubs_epi16); only Q8_0 weights are signed (sign trick).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -59,6 +60,47 @@ inline __m256 fp16x8(const uint8_t* p, int64_t ld) {
   uint16_t h[8];
   for (int r = 0; r < 8; ++r) std::memcpy(&h[r], p + r * ld, 2);
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+}
+
+// quants_ref.cpp's quantize_row_q8_K 8 lanes at a time, with the same float operations (so the same codes and
+// scales): the first signed value of largest magnitude sets iscale = -127 / max; codes round(iscale x) to nearest
+// even (the default rounding of cvtps), at most 127.
+template <typename T>
+void quantize_row_q8_K(const T* x, int64_t nb, ActQ8_K* y) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t b = 0; b < nb; ++b) {
+    float v[256];
+    load_float(v, x + 256 * b, 256);
+    __m256 amax8 = _mm256_setzero_ps();
+    for (int k = 0; k < 32; ++k) amax8 = _mm256_max_ps(amax8, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + 8 * k)));
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+    ActQ8_K& a = y[b];
+    if (amax == 0.0f) {
+      std::memset(&a, 0, sizeof(a));
+      continue;
+    }
+    int first = 0;
+    while (std::fabs(v[first]) != amax) ++first;
+    const float iscale = -127.0f / v[first];
+    const __m256 scale = _mm256_set1_ps(iscale);
+    const __m256i top = _mm256_set1_epi32(127);
+    for (int k = 0; k < 16; ++k) {  // codes 16k .. 16k + 15
+      const __m256i q0 = _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 16 * k), scale)), top);
+      const __m256i q1 = _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 16 * k + 8), scale)), top);
+      const __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(q0, q1), 0xD8);  // in order
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(a.qs + 16 * k),
+                       _mm_packs_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1)));
+      const __m256i sum8 = _mm256_add_epi32(q0, q1);
+      __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum8), _mm256_extracti128_si256(sum8, 1));
+      s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+      s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+      a.bsums[k] = static_cast<int16_t>(_mm_cvtsi128_si32(s));
+    }
+    for (int j = 0; j < 8; ++j) a.bsums32[j] = static_cast<int16_t>(a.bsums[2 * j] + a.bsums[2 * j + 1]);
+    a.d = 1.0f / iscale;
+  }
 }
 
 // A kernel type's AVX2 half, one specialization per kernel type (common.h):
