@@ -197,7 +197,8 @@ inline __m512i words_by_half(int a, int b) {
 }
 
 // A K-quant type's part: its activation vectors, what a group block shares (Group: the 8 rows' scales), a row's
-// codes and scale words (row), and its float term besides d dy isum (add_min_term).
+// codes and scale words (row), its integer offset (kHasOffset: offset, from the scales row() gave) and its float
+// term besides d dy isum (add_min_term).
 template <typename Kernel>
 struct Part;
 
@@ -230,7 +231,9 @@ struct Part<KQuant45<Type>> {
       _mm512_store_si512(scales[4], sc_hi);
     }
   };
-  static void row(const Constants& k, const Group& g, const uint8_t* row, int r, __m512i* codes, __m512i* sc) {
+  static constexpr bool kHasOffset = false;
+  static void row(const Constants& k, const Group& g, const uint8_t* row, int r, __m512i* codes, __m512i* sc,
+                  __m256i&) {
     const __m512i bits0 = _mm512_loadu_si512(row + Kernel::kQs), bits1 = _mm512_loadu_si512(row + Kernel::kQs + 64);
     codes[0] = _mm512_and_si512(bits0, k.low4);
     codes[1] = _mm512_and_si512(_mm512_srli_epi16(bits0, 4), k.low4);
@@ -246,7 +249,6 @@ struct Part<KQuant45<Type>> {
     const __m512i row_scales = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(g.scales[r])));
     for (int v = 0; v < 4; ++v) sc[v] = _mm512_shuffle_epi8(row_scales, k.scale_pick[v]);
   }
-  static __m512i offset(const Group&, const uint8_t*, const ActQ8_K&) { return _mm512_setzero_si512(); }
   static void add_min_term(const Constants& k, const Group& g, const uint8_t* blk, const ActQ8_K& a, __m256& acc) {
     const __m512i bsums = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.bsums32)));
     const __m512i min_lo = _mm512_shuffle_epi8(g.sc_lo, k.min_pick), min_hi = _mm512_shuffle_epi8(g.sc_hi, k.min_pick);
@@ -283,7 +285,10 @@ struct Part<Q6_KKernel> {
   struct Group {
     Group(const uint8_t*) {}
   };
-  static void row(const Constants& k, const Group&, const uint8_t* row, int, __m512i* codes, __m512i* sc) {
+  static constexpr bool kHasOffset = true;
+  // scales16: the row's 16 scales as int16, for offset
+  static void row(const Constants& k, const Group&, const uint8_t* row, int, __m512i* codes, __m512i* sc,
+                  __m256i& scales16) {
     for (int h = 0; h < 2; ++h) {
       const __m512i ql = _mm512_loadu_si512(row + 64 * h);
       const __m512i qh = _mm512_broadcast_i64x4(load32(row + 128 + 32 * h));
@@ -293,14 +298,12 @@ struct Part<Q6_KKernel> {
       codes[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), k.low4),
                                          _mm512_slli_epi16(top_high, 4));
     }
-    const __m512i sc16 = _mm512_castsi256_si512(
-        _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 192))));
-    for (int v = 0; v < 4; ++v) sc[v] = _mm512_permutexvar_epi16(k.scale_pick[v], sc16);
+    scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 192)));
+    for (int v = 0; v < 4; ++v) sc[v] = _mm512_permutexvar_epi16(k.scale_pick[v], _mm512_castsi256_si512(scales16));
   }
-  // -32 sum_j sc[j] bsums[j], in the low 256 bits
-  static __m512i offset(const Group&, const uint8_t* row, const ActQ8_K& a) {
-    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 192)));
-    return _mm512_castsi256_si512(_mm256_slli_epi32(_mm256_madd_epi16(sc16, load32(a.bsums)), 5));
+  // 32 sum_j sc[j] bsums[j] (the row subtracts it), in the low 256 bits
+  static __m512i offset(__m256i scales16, const ActQ8_K& a) {
+    return _mm512_castsi256_si512(_mm256_slli_epi32(_mm256_madd_epi16(scales16, load32(a.bsums)), 5));
   }
   static void add_min_term(const Constants&, const Group&, const uint8_t*, const ActQ8_K&, __m256&) {}
 };
@@ -330,10 +333,11 @@ void dot8_kquant512(const uint8_t* w, int64_t nb, const ActQ8_K* const* y, float
     auto row_sums = [&](int r, __m512i* out) {
       const uint8_t* row = blk + r * Kernel::kBytes;
       __m512i codes[4], sc[4];
-      Part::row(k, g, row, r, codes, sc);
+      __m256i scales16;
+      Part::row(k, g, row, r, codes, sc, scales16);
       for (int i = 0; i < R; ++i) {
-        __m512i s = _mm512_sub_epi32(_mm512_madd_epi16(_mm512_maddubs_epi16(codes[0], act[i][0]), sc[0]),
-                                     Part::offset(g, row, y[i][b]));
+        __m512i s = _mm512_madd_epi16(_mm512_maddubs_epi16(codes[0], act[i][0]), sc[0]);
+        if constexpr (Part::kHasOffset) s = _mm512_sub_epi32(s, Part::offset(scales16, y[i][b]));
         for (int v = 1; v < 4; ++v)
           s = _mm512_add_epi32(s, _mm512_madd_epi16(_mm512_maddubs_epi16(codes[v], act[i][v]), sc[v]));
         out[i] = s;
