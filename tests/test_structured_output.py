@@ -266,3 +266,22 @@ def test_abort_while_compiling_leaves_nothing_behind(llm, monkeypatch):
     llm.engine.abort_request("gone")
     release.set()
     assert_no_leak(llm)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_worker_processes_apply_the_same_masks(parallel_tiny, tp, pp):
+    """The engine's matchers fill the masks and every worker process applies them: tensor-parallel ranks and
+    pipeline stages with steps in flight give the constrained tokens of one process, greedy and seeded."""
+    _, path = parallel_tiny
+    prompts = ["the cat", "a b", "xyz", "hello there", "q"]
+    params = [SamplingParams(temperature=t, seed=7, max_tokens=30, structured_outputs=c)
+              for t in (0.0, 1.0) for c in (Constraint(regex="[a-z]{3,8}( [a-z]{3,8}){2}"), Constraint(json=SCHEMA))]
+    def run(llm):
+        return [[o.outputs[0].token_ids for o in llm.generate(prompts, p, use_tqdm=False)] for p in params]
+    expected = run(LLM(path, dtype="float32"))
+    llm = LLM(path, dtype="float32", tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    try:
+        assert run(llm) == expected
+    finally:
+        llm.engine.shutdown()

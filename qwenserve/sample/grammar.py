@@ -123,7 +123,7 @@ class GrammarCompiler:
         """The next-token bitmask of each matcher, one row each ([len(matchers), bitmask_words] int32)."""
         import llguidance
         import llguidance.numpy as llnp
-        bitmask = np.empty((len(matchers), self.bitmask_words), dtype=np.int32)
+        bitmask = np.zeros((len(matchers), self.bitmask_words), dtype=np.int32)  # nothing allowed unless filled
         if len(matchers) == 1:
             llnp.fill_next_token_bitmask(matchers[0], bitmask, 0)
         else:
