@@ -21,8 +21,9 @@ from qwenserve.sample.structured_outputs import StructuredOutputsParams as Const
 
 from helpers import record_preemptions, save_hf_dir, tiny_hf_model
 
-SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999}, "b": {"type": "string", "maxLength": 6}},
-          "required": ["a", "b"], "additionalProperties": False}
+SCHEMA = {"type": "object", "required": ["a", "b"], "additionalProperties": False,
+          "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999},
+                         "b": {"type": "string", "maxLength": 6}}}
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +116,10 @@ def test_bitmask_masks_exactly_the_forbidden_tokens_of_its_rows(rows):
     assert torch.equal(logits, expected)
 
 
-def test_bitmask_of_the_wrong_width_is_refused():
+def test_a_wider_bitmask_ignores_bits_past_the_logits_and_a_narrower_one_is_refused():
+    logits = torch.zeros(1, 40)
+    apply_token_bitmask(logits, torch.tensor([0]), torch.tensor([[-1, 0, -1]], dtype=torch.int32))
+    assert torch.isinf(logits[0, 32:]).all() and not torch.isinf(logits[0, :32]).any()
     with pytest.raises(ValueError, match="needs 3 int32 words a row"):
         apply_token_bitmask(torch.zeros(1, 70), torch.tensor([0]), torch.zeros(1, 2, dtype=torch.int32))
 
@@ -158,8 +162,8 @@ def test_sampler_picks_only_allowed_tokens_and_leaves_other_rows_alone():
 def test_grammar_wins_over_min_tokens_when_it_allows_only_a_stop_token():
     vocab, eos = 40, 5
     logits = torch.randn(1, vocab)
-    tokens = Sampler("cpu")(logits, [Row(min_tokens=4, eos=[eos])], (torch.tensor([0]), bitmask_allowing(vocab, [[eos]])))
-    assert tokens.token_ids == [eos]
+    grammar = (torch.tensor([0]), bitmask_allowing(vocab, [[eos]]))
+    assert Sampler("cpu")(logits, [Row(min_tokens=4, eos=[eos])], grammar).token_ids == [eos]
 
 
 # ---- the engine ----------------------------------------------------------------------------------------------
@@ -179,8 +183,9 @@ def test_outputs_match_regex_choice_json_and_grammar(llm):
         for out in generate(llm, ["hi"], structured_outputs=Constraint(grammar='start: "yes" | "no" | "maybe"'),
                             **params):
             assert out[0].text in ("yes", "no", "maybe")
-        for out in generate(llm, ["hi"], structured_outputs=Constraint(grammar='root ::= [0-9] "+" [0-9]'), **params):
-            assert re.fullmatch(r"[0-9]\+[0-9]", out[0].text)  # GBNF, as llama.cpp writes it
+        gbnf = Constraint(grammar='root ::= [0-9] "+" [0-9]')  # GBNF, as llama.cpp writes it
+        for out in generate(llm, ["hi"], structured_outputs=gbnf, **params):
+            assert re.fullmatch(r"[0-9]\+[0-9]", out[0].text)
     assert_no_leak(llm)
 
 
@@ -193,7 +198,8 @@ def test_json_object_is_any_json_object(llm):
 
 
 def test_n_samples_each_follow_the_grammar(llm):
-    outs = generate(llm, "hi", n=4, temperature=1.0, seed=5, max_tokens=20, structured_outputs=Constraint(regex="[0-9]{4}"))
+    outs = generate(llm, "hi", n=4, temperature=1.0, seed=5, max_tokens=20,
+                    structured_outputs=Constraint(regex="[0-9]{4}"))
     assert len(outs[0]) == 4 and all(re.fullmatch("[0-9]{4}", c.text) for c in outs[0])
     assert len({c.text for c in outs[0]}) > 1
 
@@ -202,7 +208,8 @@ def test_unconstrained_neighbour_gives_the_same_greedy_output(llm):
     plain = {"prompt_token_ids": list(range(20, 45))}
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     alone = llm.generate([plain], greedy, use_tqdm=False)[0].outputs[0].token_ids
-    constrained = SamplingParams(temperature=1.0, seed=1, max_tokens=24, structured_outputs=Constraint(regex="[a-z]{20}"))
+    constrained = SamplingParams(temperature=1.0, seed=1, max_tokens=24,
+                                 structured_outputs=Constraint(regex="[a-z]{20}"))
     together = llm.generate([plain, "the cat", plain], [greedy, constrained, greedy], use_tqdm=False)
     assert together[0].outputs[0].token_ids == alone == together[2].outputs[0].token_ids
     assert re.fullmatch("[a-z]{20}", together[1].outputs[0].text)

@@ -66,8 +66,8 @@ class OutputProcessor:
                                                  prompt_logprobs)
         self._seqs.update((seq.seq_id, seq) for seq in seqs)
 
-    def process(self, ran: list[Sequence], runner_output: ModelRunnerOutput,
-                grammar_complete: set[int] | frozenset[int] = frozenset()) -> tuple[list[RequestOutput], list[Sequence]]:
+    def process(self, ran: list[Sequence], runner_output: ModelRunnerOutput, grammar_complete: set[int] = frozenset()
+                ) -> tuple[list[RequestOutput], list[Sequence]]:
         """The outputs of every request that ran this step, and the sequences that ended. grammar_complete: the
         constrained sequences whose grammar accepts nothing more (they end with "stop")."""
         now = time.time()

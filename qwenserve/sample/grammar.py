@@ -11,7 +11,6 @@ Only this module imports llguidance; the sampler (logits_processors.apply_token_
 from __future__ import annotations
 
 import concurrent.futures
-import logging
 import threading
 from collections import OrderedDict
 
@@ -19,8 +18,6 @@ import numpy as np
 
 from qwenserve.config.errors import RequestError
 from qwenserve.sample.structured_outputs import FIELD, StructuredOutputsParams
-
-logger = logging.getLogger(__name__)
 
 # JSON without free whitespace between tokens: a small model sampled at temperature 1 otherwise can spend its
 # whole max_tokens on newlines and never close the object; the separators are those most models write.

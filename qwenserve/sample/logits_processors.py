@@ -51,13 +51,14 @@ def ban_stop_tokens_before_min_tokens(logits: torch.Tensor, rows) -> torch.Tenso
 
 def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
     """In place: -inf at every token a row's grammar forbids. rows: [R] the constrained rows of logits ([B, V]
-    float32); bitmask: [R, ceil(V / 32)] int32, one bit per token, little-endian within each word, 1 = allowed.
+    float32); bitmask: [R, >= ceil(V / 32)] int32, one bit per token, little-endian within each word, 1 = allowed
+    (bits past V, for tokenizer entries the model has no logit for, are ignored).
 
     Each byte of the mask looks up its 8 biases (0 or -inf) in a 256-row table and the biases are added: 0.1 ms
     a row at V = 152k here, where masked_fill_ takes 0.4 ms (its per-element branch mispredicts on a grammar's
     scattered bits) and unpacking the bits with shifts 0.2 ms."""
     num_rows, vocab = len(rows), logits.shape[1]
-    if bitmask.shape != (num_rows, (vocab + 31) // 32):
+    if bitmask.dim() != 2 or bitmask.shape[0] != num_rows or bitmask.shape[1] < (vocab + 31) // 32:
         raise ValueError(f"a token bitmask of shape {tuple(bitmask.shape)} cannot mask {num_rows} rows of {vocab} "
                          f"logits (it needs {(vocab + 31) // 32} int32 words a row)")
     biases = torch.nn.functional.embedding(bitmask.view(torch.uint8).long(), BYTE_BIASES)

@@ -68,7 +68,8 @@ class SamplingParams:
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
-               "structured_outputs", f"must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}")
+               "structured_outputs",
+               f"must be a StructuredOutputsParams or a dict, got {type(self.structured_outputs).__name__}")
         if self.top_k == -1:
             self.top_k = 0
 
