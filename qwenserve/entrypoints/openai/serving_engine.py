@@ -16,6 +16,7 @@ from qwenserve.engine.async_engine import AsyncLLMEngine, DrainingError, EngineD
 from qwenserve.engine.outputs import RequestOutput
 from qwenserve.entrypoints.openai.metrics import ServerMetrics
 from qwenserve.model.loader.tokenizer import chat_prompt_ids
+from qwenserve.sample.grammar import check_constraint
 from qwenserve.sample.structured_outputs import FIELD as STRUCTURED_OUTPUTS
 
 RETRY_AFTER_S = "1"
@@ -165,6 +166,8 @@ class OpenAIServing:
         self._check_fan_out([len(p["prompt_token_ids"]) for p in prompts], params)
         admitted = []
         try:
+            if params.structured_outputs is not None:  # here, off the engine thread (which then finds it checked)
+                await asyncio.to_thread(check_constraint, params.structured_outputs)
             for i, prompt in enumerate(prompts):
                 rid = f"{prefix}-{i}"
                 admitted.append((rid, await self.engine.add_request(rid, prompt, params)))
