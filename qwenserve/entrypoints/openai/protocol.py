@@ -3,9 +3,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from qwenserve.config.errors import RequestError
+from qwenserve.entrypoints.openai.tool_calls import forced_call_grammar
 from qwenserve.sample.sampling_params import SamplingParams
 from qwenserve.sample.structured_outputs import FIELD as STRUCTURED_OUTPUTS, StructuredOutputsParams
 
@@ -58,7 +59,12 @@ class _SamplingFields(BaseModel):
     @property
     def constraint_field(self) -> str:
         """The request field a complaint about the output constraint is reported against."""
-        return "response_format" if self._response_format_constraint() is not None else STRUCTURED_OUTPUTS
+        if self.response_format is not None and self.response_format.type != "text":
+            return "response_format"
+        return "tool_choice" if self._tool_call_constraint() is not None else STRUCTURED_OUTPUTS
+
+    def _tool_call_constraint(self) -> StructuredOutputsParams | None:
+        return None  # only chat requests take tools
 
     def _response_format_constraint(self) -> StructuredOutputsParams | None:
         fmt = self.response_format
@@ -71,16 +77,25 @@ class _SamplingFields(BaseModel):
         return StructuredOutputsParams(json=fmt.json_schema.schema_)
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
-        """The output constraint, from response_format or structured_outputs (not both: one would be dropped)."""
+        """The output constraint, from response_format, structured_outputs or a forced tool call (only one: the
+        others would be dropped)."""
+        found = []
         try:
             from_format = self._response_format_constraint()
         except RequestError as e:
             raise RequestError(str(e).replace(STRUCTURED_OUTPUTS, "response_format"), param="response_format") from e
-        if from_format is not None and self.structured_outputs is not None:
-            raise RequestError("give response_format or structured_outputs, not both", param="response_format")
+        if from_format is not None:
+            found.append(("response_format", from_format))
         if self.structured_outputs is not None:
-            return StructuredOutputsParams.from_dict(self.structured_outputs)
-        return from_format
+            found.append((STRUCTURED_OUTPUTS, StructuredOutputsParams.from_dict(self.structured_outputs)))
+        tool_call = self._tool_call_constraint()
+        if tool_call is not None:
+            found.append((f"tool_choice {self.tool_choice if isinstance(self.tool_choice, str) else 'naming a function'}",
+                          tool_call))
+        if len(found) > 1:
+            raise RequestError(f"give {' or '.join(name for name, _ in found)}, not both: each constrains the output",
+                               param=found[0][0].split()[0])
+        return found[0][1] if found else None
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None, defaults: dict) -> SamplingParams:
         def pick(name: str, fallback):
@@ -102,8 +117,14 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    tools: list | None = None  # refused: a prompt has no template to show tools in
+    tool_choice: str | dict | None = None
 
     def sampling_params(self, defaults: dict) -> SamplingParams:
+        if self.tools is not None or self.tool_choice is not None:
+            raise RequestError("tools and tool_choice are for chat completions (/v1/chat/completions), which show "
+                               "them to the model through its chat template; completions take a plain prompt",
+                               param="tools" if self.tools is not None else "tool_choice")
         params = self._sampling(self.max_tokens, self.logprobs, defaults)
         if self.echo and self.logprobs is not None:  # echo returns the prompt's logprobs too
             params.prompt_logprobs = self.logprobs
@@ -122,6 +143,27 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+class FunctionDefinition(BaseModel):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
@@ -129,6 +171,36 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    # the vocabulary's tokens of <tool_call> and </tool_call>, set by the server: a forced call's grammar names them
+    _tool_tag_ids: tuple[int, int] | None = PrivateAttr(default=None)
+
+    @property
+    def tools_in_use(self) -> list[dict] | None:
+        """The tools shown to the model (and whose calls are parsed from its answer); none with tool_choice none."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
+
+    def _tool_call_constraint(self) -> StructuredOutputsParams | None:
+        """The grammar of a call when tool_choice is "required" or names a function, so the answer always parses."""
+        if self.tool_choice is not None and not self.tools:
+            raise RequestError("tool_choice needs tools to choose from", param="tool_choice")
+        if not self.tools:
+            return None
+        names = [tool.function.name for tool in self.tools]
+        if len(set(names)) < len(names):
+            raise RequestError(f"tools has functions of the same name: {sorted(names)}", param="tools")
+        only = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+        if only is not None and only not in names:
+            raise RequestError(f"tool_choice names the function {only!r}, which is not among the tools "
+                               f"({', '.join(names)})", param="tool_choice")
+        if only is None and self.tool_choice != "required":
+            return None
+        return StructuredOutputsParams(grammar=forced_call_grammar(self.tools_in_use, only, self.parallel_tool_calls,
+                                                                   self._tool_tag_ids))
 
     def sampling_params(self, defaults: dict) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -1,4 +1,5 @@
-"""/v1/chat/completions: a conversation rendered with the chat template, answered whole or streamed."""
+"""/v1/chat/completions: a conversation rendered with the chat template, answered whole or streamed; with tools,
+the answer's tool calls come out as OpenAI `tool_calls` (tool_calls.py)."""
 from __future__ import annotations
 
 import time
@@ -7,6 +8,7 @@ from fastapi import Request
 
 from qwenserve.engine.outputs import RequestOutput
 from qwenserve.entrypoints.openai.protocol import ChatCompletionRequest
+from qwenserve.entrypoints.openai.tool_calls import ToolCallStream, parse_tool_calls, tag_token_ids
 from qwenserve.entrypoints.openai.serving_engine import (
     OpenAIServing,
     chat_ids,
@@ -19,10 +21,17 @@ from qwenserve.entrypoints.openai.serving_engine import (
 class OpenAIServingChat(OpenAIServing):
     PROMPT_PARAM = "messages"  # the prompt is made of the messages
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tool_tag_ids = tag_token_ids(self.tokenizer)
+
     async def create_chat_completion(self, body: ChatCompletionRequest, request: Request):
         model = self.models.model_name(body.model)
+        body._tool_tag_ids = self.tool_tag_ids
         params = self._params(body)
-        ids = chat_ids(self.tokenizer, body.messages, body.add_generation_prompt)
+        tools = body.tools_in_use
+        tool_names = {tool["function"]["name"] for tool in tools or ()}
+        ids = chat_ids(self.tokenizer, body.messages, body.add_generation_prompt, tools)
         rid = f"chatcmpl-{request_id(request)}"
         created = int(time.time())
         admitted = await self._admit([{"prompt_token_ids": ids}], params, engine_ids_prefix(request, rid), body)
@@ -31,17 +40,29 @@ class OpenAIServingChat(OpenAIServing):
             first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None} for i in range(params.n)]
             header = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-            return self._stream(request, header, admitted, body, self._delta_choices(params.n, top_k), first)
+            return self._stream(request, header, admitted, body,
+                                self._delta_choices(params.n, top_k, tool_names, body.parallel_tool_calls), first)
         out = (await self._run(admitted, request))[0]
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self._logprobs(c, top_k), "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason} for c in out.outputs]
+        choices = []
+        for c in out.outputs:
+            message, finish_reason = {"role": "assistant", "content": c.text}, c.finish_reason
+            if tools:
+                content, calls = parse_tool_calls(c.text, tool_names)
+                calls = calls if body.parallel_tool_calls else calls[:1]
+                if calls:
+                    message = {"role": "assistant", "content": content,
+                               "tool_calls": [call.to_openai() for call in calls]}
+                    finish_reason = _calls_finish_reason(finish_reason)
+            choices.append({"index": c.index, "message": message, "logprobs": self._logprobs(c, top_k),
+                            "finish_reason": finish_reason, "stop_reason": c.stop_reason})
         return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
                 "usage": usage([out])}
 
-    def _delta_choices(self, n: int, top_k: int):
-        """The streamed choices of each output: its new text and the logprobs not sent yet."""
+    def _delta_choices(self, n: int, top_k: int, tool_names: set[str], parallel_tool_calls: bool = True):
+        """The streamed choices of each output: its new text and the logprobs not sent yet. With tools, text that
+        may be a call is held until the answer ends; then come the rest of the text and each call whole."""
         sent_logprobs = [0] * n
+        calls = [ToolCallStream(tool_names) for _ in range(n)] if tool_names else None
 
         def choices(_, out: RequestOutput):
             for comp in out.outputs:
@@ -50,10 +71,24 @@ class OpenAIServingChat(OpenAIServing):
                     full = self._logprobs(comp, top_k)["content"]
                     logprobs = {"content": full[sent_logprobs[comp.index]:]}
                     sent_logprobs[comp.index] = len(full)
-                if not comp.text_delta and not comp.finished and logprobs is None:
+                text, finish_reason, tool_calls = comp.text_delta, comp.finish_reason, []
+                if calls is not None:
+                    text = calls[comp.index].add(comp.text_delta)
+                    if comp.finished:
+                        rest, tool_calls = calls[comp.index].finish()
+                        tool_calls = tool_calls if parallel_tool_calls else tool_calls[:1]
+                        text += rest
+                        if tool_calls:
+                            finish_reason = _calls_finish_reason(finish_reason)
+                if not text and not comp.finished and logprobs is None:
                     continue
-                delta = {"content": comp.text_delta} if comp.text_delta or not comp.finished else {}
-                yield {"index": comp.index, "delta": delta, "logprobs": logprobs, "finish_reason": comp.finish_reason}
+                delta = {"content": text} if text or not comp.finished else {}
+                if tool_calls:  # each call whole, in one chunk after the text
+                    if text:
+                        yield {"index": comp.index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
+                        logprobs = None
+                    delta = {"tool_calls": [{"index": i} | call.to_openai() for i, call in enumerate(tool_calls)]}
+                yield {"index": comp.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
         return choices
 
@@ -71,3 +106,8 @@ class OpenAIServingChat(OpenAIServing):
             content.append(item(token_id, entry[token_id].logprob)
                            | {"top_logprobs": [item(lp.token_id, lp.logprob) for lp in top]})
         return {"content": content}
+
+
+def _calls_finish_reason(finish_reason: str | None) -> str | None:
+    """OpenAI's finish reason for an answer that ends in tool calls (one cut by max_tokens stays "length")."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason

@@ -74,13 +74,40 @@ def record_usage(request: Request, body: dict) -> None:
     request.state.usage = body
 
 
-def chat_ids(tokenizer, messages, add_generation_prompt: bool) -> list[int]:
-    """The prompt of a conversation; one the chat template cannot render is the messages' fault."""
-    plain = [{"role": m.role, "content": m.text()} for m in messages]
+def chat_ids(tokenizer, messages, add_generation_prompt: bool, tools: list[dict] | None = None) -> list[int]:
+    """The prompt of a conversation (with the tools shown, if any); one the chat template cannot render is the
+    messages' fault."""
+    plain = [_template_message(i, m) for i, m in enumerate(messages)]
     try:
-        return chat_prompt_ids(tokenizer, plain, add_generation_prompt)
+        return chat_prompt_ids(tokenizer, plain, add_generation_prompt, tools)
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from e
+
+
+def _template_message(index: int, message) -> dict:
+    """A message as chat templates take it: an assistant's tool calls with their arguments as objects (OpenAI
+    sends them as JSON text; Qwen's template writes them with tojson), a tool result with its call's id."""
+    out = {"role": message.role, "content": message.text()}
+    extra = message.model_extra or {}
+    if message.role == "assistant" and extra.get("tool_calls"):
+        calls = []
+        for call in extra["tool_calls"]:
+            function = call.get("function") if isinstance(call, dict) else None
+            arguments = function.get("arguments", "{}") if isinstance(function, dict) else None
+            try:
+                arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+            except json.JSONDecodeError:
+                arguments = None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str) \
+                    or not isinstance(arguments, dict):
+                raise APIError(400, f"messages[{index}].tool_calls: each needs a function with a name and "
+                                    "arguments as a JSON object", param="messages")
+            calls.append({"id": call.get("id"), "type": "function",
+                          "function": {"name": function["name"], "arguments": arguments}})
+        out["tool_calls"] = calls
+    if message.role == "tool" and "tool_call_id" in extra:
+        out["tool_call_id"] = extra["tool_call_id"]
+    return out
 
 
 def usage(outs: list[RequestOutput]) -> dict:
@@ -124,6 +151,9 @@ class OpenAIServing:
             param = self.PROMPT_PARAM
         elif param == STRUCTURED_OUTPUTS and body is not None and body.constraint_field != STRUCTURED_OUTPUTS:
             param = body.constraint_field
+            if param == "tool_choice":  # the constraint is the calls' grammar, made of the tools' parameters
+                return APIError(400, f"tools: the tools' parameters cannot be enforced as tool_choice asks ({message})",
+                                param="tools")
             for inner, outer in ((f"{STRUCTURED_OUTPUTS}.json_object", param),
                                  (f"{STRUCTURED_OUTPUTS}.json", f"{param}.json_schema.schema"),
                                  (STRUCTURED_OUTPUTS, param)):

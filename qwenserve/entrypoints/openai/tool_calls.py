@@ -141,9 +141,23 @@ def _partial_tag_len(text: str) -> int:
     return 0
 
 
-def forced_call_grammar(tools: list[dict], only: str | None, parallel: bool) -> str:
+def tag_token_ids(tokenizer) -> tuple[int, int] | None:
+    """The ids of `<tool_call>` and `</tool_call>` where the vocabulary has each as one token (Qwen2.5's does)."""
+    ids = []
+    for tag in (START_TAG, "</tool_call>"):
+        token_id = tokenizer.convert_tokens_to_ids(tag)
+        if not isinstance(token_id, int) or token_id == tokenizer.unk_token_id or tokenizer.decode([token_id]) != tag:
+            return None
+        ids.append(token_id)
+    return ids[0], ids[1]
+
+
+def forced_call_grammar(tools: list[dict], only: str | None, parallel: bool,
+                        tag_ids: tuple[int, int] | None = None) -> str:
     """A Lark grammar (llguidance's, with %json) for answers that are only tool calls in the template's format:
-    of the named function (`only`), or of any of the tools; one call, or several when parallel."""
+    of the named function (`only`), or of any of the tools; one call, or several when parallel. tag_ids: the
+    tags' own tokens, which the grammar names by id (llguidance masks such a token by its text, but consumes
+    it as a special token, so a tag written as text would reject the very token the mask allowed)."""
     schemas = []
     for tool in tools:
         function = tool["function"]
@@ -153,5 +167,6 @@ def forced_call_grammar(tools: list[dict], only: str | None, parallel: bool) -> 
                         "properties": {"name": {"const": function["name"]},
                                        "arguments": function.get("parameters") or {"type": "object"}}})
     schema = (schemas[0] if len(schemas) == 1 else {"anyOf": schemas}) | {"x-guidance": COMPACT_JSON}
-    call = f'call: "<tool_call>\\n" %json {json.dumps(schema)} "\\n</tool_call>"'
+    start, end = (f"<[{tag_ids[0]}]>", f"<[{tag_ids[1]}]>") if tag_ids else ('"<tool_call>"', '"</tool_call>"')
+    call = f'call: {start} "\\n" %json {json.dumps(schema)} "\\n" {end}'
     return ('start: call ("\\n" call)*\n' if parallel else "start: call\n") + call + "\n"

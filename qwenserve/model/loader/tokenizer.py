@@ -63,9 +63,11 @@ def tokenizer_from_gguf(metadata: dict):
     )
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of a conversation rendered with the checkpoint's chat template."""
+def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
+    """Token ids of a conversation rendered with the checkpoint's chat template (showing tools, if any)."""
     if not tokenizer.chat_template:
         raise ValueError("this checkpoint has no chat template, so chat messages cannot be formatted")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         tools=tools)
     return tokenizer.encode(text, add_special_tokens=False)

@@ -1,0 +1,114 @@
+"""Tool calling through the OpenAI API on the bundled model (Qwen2.5-Coder-0.5B-Instruct), with the official
+openai client: a weather round trip (tools in, tool_calls out, the result back, a final answer), forced calls
+that always parse, streamed call deltas that reassemble to the whole answer's, and 400s that name the field."""
+import json
+
+import httpx
+import openai
+import pytest
+
+from qwenserve.config.engine_config import EngineConfig
+from qwenserve.engine.async_engine import AsyncLLMEngine
+from qwenserve.engine.llm_engine import LLMEngine
+from qwenserve.entrypoints.openai.api_server import build_app
+
+from helpers import live_server
+from helpers import wait_idle_and_clean as idle_and_clean
+
+pytestmark = pytest.mark.slow
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "description": "The local time in a city",
+                                         "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                        "required": ["city"]}}}
+QUESTION = [{"role": "user", "content": "What is the weather like in Paris today, in celsius?"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    from qwenserve.model.loader.bundled import bundled_model_path
+    engine = AsyncLLMEngine(LLMEngine(EngineConfig.from_kwargs(model=bundled_model_path(), kv_cache_memory="512MiB")))
+    with live_server(build_app(engine, ["qwen"])) as url:
+        yield url, engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="none", max_retries=0)
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", "required"])
+def test_weather_round_trip(client, server, tool_choice):
+    # one call: the 0.5B model, allowed more, calls again and again until max_tokens
+    first = client.chat.completions.create(model="qwen", messages=QUESTION, tools=[WEATHER, TIME],
+                                           tool_choice=tool_choice, parallel_tool_calls=False, temperature=0.0,
+                                           max_tokens=120)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls", choice.message
+    call = choice.message.tool_calls[0]
+    assert call.type == "function" and call.function.name == "get_weather" and call.id
+    arguments = json.loads(call.function.arguments)
+    assert "paris" in arguments["city"].lower() and arguments["unit"] == "celsius"
+    messages = QUESTION + [choice.message.model_dump(exclude_none=True),
+                           {"role": "tool", "tool_call_id": call.id,
+                            "content": json.dumps({"temperature": 21, "unit": "celsius", "sky": "sunny"})}]
+    # tool_choice none: the 0.5B model, still shown the tools, calls them again and again instead of answering
+    final = client.chat.completions.create(model="qwen", messages=messages, tools=[WEATHER, TIME], tool_choice="none",
+                                           temperature=0.0, max_tokens=200).choices[0]
+    assert final.finish_reason == "stop" and not final.message.tool_calls, final.message.content
+    assert "21" in final.message.content, final.message.content
+    idle_and_clean(server[1])
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_forced_calls_always_parse_and_streamed_deltas_reassemble(client, tool_choice):
+    kwargs = dict(model="qwen", messages=QUESTION, tools=[WEATHER, TIME], tool_choice=tool_choice, max_tokens=120,
+                  parallel_tool_calls=False)
+    for seed in range(4):  # sampled: the grammar, not luck, makes them parse
+        choice = client.chat.completions.create(temperature=1.0, seed=seed, **kwargs).choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice.message
+        for call in choice.message.tool_calls:
+            assert call.function.name in ("get_weather", "get_time")
+            assert isinstance(json.loads(call.function.arguments), dict)
+        if isinstance(tool_choice, dict):
+            assert {c.function.name for c in choice.message.tool_calls} == {"get_time"}
+    whole = client.chat.completions.create(temperature=0.0, **kwargs).choices[0]
+    streamed, finish_reason = {}, None
+    for chunk in client.chat.completions.create(temperature=0.0, stream=True, **kwargs):
+        for c in chunk.choices:
+            finish_reason = c.finish_reason or finish_reason
+            for d in c.delta.tool_calls or ():
+                entry = streamed.setdefault(d.index, {"name": "", "arguments": ""})
+                entry["name"] += d.function.name or ""
+                entry["arguments"] += d.function.arguments or ""
+    assert finish_reason == "tool_calls"
+    assert [streamed[i] for i in sorted(streamed)] == [
+        {"name": c.function.name, "arguments": c.function.arguments} for c in whole.message.tool_calls]
+
+
+def test_tool_choice_none_answers_in_text(client):
+    choice = client.chat.completions.create(model="qwen", messages=QUESTION, tools=[WEATHER], tool_choice="none",
+                                            temperature=0.0, max_tokens=30).choices[0]
+    assert not choice.message.tool_calls and choice.message.content
+
+
+@pytest.mark.parametrize("endpoint, body, param, message", [
+    ("chat/completions", {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice", "'nope', which is not among the tools"),
+    ("chat/completions", {"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ("chat/completions", {"tools": [WEATHER, WEATHER]}, "tools", "same name"),
+    ("chat/completions", {"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "response_format", "not both"),
+    ("completions", {"tools": [WEATHER]}, "tools", "for chat completions"),
+])
+def test_bad_tool_requests_are_400s_naming_the_field(server, endpoint, body, param, message):
+    prompt = {"messages": QUESTION} if endpoint == "chat/completions" else {"prompt": "hi"}
+    r = httpx.post(f"{server[0]}/v1/{endpoint}", json={"model": "qwen", "max_tokens": 5} | prompt | body, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and message in error["message"], error
