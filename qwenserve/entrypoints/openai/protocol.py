@@ -90,11 +90,10 @@ class _SamplingFields(BaseModel):
             found.append((STRUCTURED_OUTPUTS, StructuredOutputsParams.from_dict(self.structured_outputs)))
         tool_call = self._tool_call_constraint()
         if tool_call is not None:
-            found.append((f"tool_choice {self.tool_choice if isinstance(self.tool_choice, str) else 'naming a function'}",
-                          tool_call))
+            found.append(("a forced tool_choice", tool_call))
         if len(found) > 1:
             raise RequestError(f"give {' or '.join(name for name, _ in found)}, not both: each constrains the output",
-                               param=found[0][0].split()[0])
+                               param=found[0][0].split()[-1])
         return found[0][1] if found else None
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None, defaults: dict) -> SamplingParams:

@@ -8,7 +8,6 @@ from fastapi import Request
 
 from qwenserve.engine.outputs import RequestOutput
 from qwenserve.entrypoints.openai.protocol import ChatCompletionRequest
-from qwenserve.entrypoints.openai.tool_calls import ToolCallStream, parse_tool_calls, tag_token_ids
 from qwenserve.entrypoints.openai.serving_engine import (
     OpenAIServing,
     chat_ids,
@@ -16,6 +15,7 @@ from qwenserve.entrypoints.openai.serving_engine import (
     request_id,
     usage,
 )
+from qwenserve.entrypoints.openai.tool_calls import ToolCallStream, parse_tool_calls, tag_token_ids
 
 
 class OpenAIServingChat(OpenAIServing):
