@@ -11,6 +11,7 @@ not import the worker."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from qwenserve.sample.logprob import Logprob
 from qwenserve.sample.sampling_params import SamplingParams
@@ -40,11 +41,21 @@ class CachedSequenceData:
 
 
 @dataclass
+class GrammarBitmask:
+    """The next-token masks of this step's constrained sequences that take a token (the engine's grammar
+    matchers fill it once the batch is known): row i belongs to seq_ids[i], one bit per vocabulary entry,
+    little-endian within each 32-bit word, 1 = allowed."""
+    seq_ids: list[int]
+    bitmask: Any  # numpy int32 array [len(seq_ids), ceil(vocab / 32)]
+
+
+@dataclass
 class SchedulerOutput:
     new_seqs: list[NewSequenceData] = field(default_factory=list)
     cached_seqs: list[CachedSequenceData] = field(default_factory=list)
     num_scheduled_tokens: dict[int, int] = field(default_factory=dict)  # seq id -> tokens, in batch order
     finished_seq_ids: set[int] = field(default_factory=set)  # ended since the last step: the worker forgets them
+    grammar_bitmask: GrammarBitmask | None = None  # None: no sequence that samples this step is constrained
 
     @property
     def total_num_scheduled_tokens(self) -> int:

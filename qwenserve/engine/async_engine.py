@@ -191,8 +191,8 @@ class AsyncLLMEngine:
             try:
                 outputs = self.engine.step()
                 self.consecutive_failed_steps = 0
-            except RequestsFailedError as e:  # a failed step, or a dead replica: fail those, serve the rest
-                self.consecutive_failed_steps += 1
+            except RequestsFailedError as e:  # a failed step, a dead replica, bad grammars: fail those, serve the rest
+                self.consecutive_failed_steps = self.consecutive_failed_steps + 1 if e.faulty_step else 0
                 for out in e.outputs:
                     self._deliver(out.request_id, out, final=out.finished)
                 for request_id, error in e.failures.items():

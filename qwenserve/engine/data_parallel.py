@@ -135,6 +135,7 @@ class DataParallelEngine:
         busy = [i for i, r in enumerate(self.replicas) if self.alive[i] and r.has_unfinished_requests()]
         dead: dict[int, Exception] = {}
         failures: dict[str, Exception] = {}
+        faulty_step = False
         for i in busy:
             try:
                 self.replicas[i].submit_steps()
@@ -151,6 +152,7 @@ class DataParallelEngine:
             except RequestsFailedError as e:  # some of the replica's requests failed; it serves on
                 failures.update(e.failures)
                 outputs.extend(e.outputs)
+                faulty_step = faulty_step or e.faulty_step
         for rank, error in dead.items():
             failures.update(self._remove(rank, error))
         for request_id in failures:
@@ -162,7 +164,7 @@ class DataParallelEngine:
             raise ExecutorDeadError("every data-parallel replica has stopped (" +
                                     "; ".join(f"replica {rank}: {error}" for rank, error in dead.items()) + ")")
         if failures:
-            raise RequestsFailedError(failures, outputs)
+            raise RequestsFailedError(failures, outputs, faulty_step or bool(dead))
         return outputs
 
     def _remove(self, rank: int, error: Exception) -> dict[str, Exception]:

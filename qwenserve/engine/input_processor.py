@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from qwenserve.config.errors import RequestError
+from qwenserve.sample.grammar import check_constraint
 from qwenserve.sample.sampling_params import SamplingParams
 
 
@@ -49,6 +50,8 @@ class InputProcessor:
         return ProcessedRequest(text, ids, params)
 
     def _check(self, ids: list[int], params: SamplingParams) -> None:
+        if params.structured_outputs is not None:
+            check_constraint(params.structured_outputs)
         if not ids:
             raise RequestError("the prompt is empty", param="prompt")
         bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]

@@ -1,5 +1,6 @@
-"""The engine: requests in, outputs out. Each step the scheduler picks a batch, the executor runs it (model and
-sampler, in the worker), the scheduler records what was computed, and the output processor turns new tokens
+"""The engine: requests in, outputs out. Each step the scheduler picks a batch, the grammar matchers of its
+constrained sequences fill their token masks, the executor runs it (model and sampler, in the worker), the
+scheduler records what was computed, the matchers consume the new tokens, and the output processor turns them
 into text and decides which sequences end."""
 from __future__ import annotations
 
@@ -18,15 +19,19 @@ from qwenserve.core.step import SchedulerOutput
 from qwenserve.engine.input_processor import InputProcessor, ProcessedRequest
 from qwenserve.engine.output_processor import OutputProcessor
 from qwenserve.engine.outputs import RequestOutput
+from qwenserve.engine.structured_output import StructuredOutputManager
 from qwenserve.executor.abstract import Executor, ExecutorDeadError
 from qwenserve.executor.multiproc_executor import MultiprocExecutor
 from qwenserve.executor.uniproc_executor import UniProcExecutor
 from qwenserve.model.loader.resolve import load_tokenizer, resolve_model
+from qwenserve.sample.grammar import GrammarCompiler
 from qwenserve.sample.sampling_params import SamplingParams
+from qwenserve.sample.structured_outputs import FIELD
 
 logger = logging.getLogger(__name__)
 GiB = 1 << 30
 GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+GRAMMAR_WAIT_S = 0.02  # with nothing to run but grammars compiling, how long a step waits for one
 
 
 class StepFailedError(RuntimeError):
@@ -36,12 +41,15 @@ class StepFailedError(RuntimeError):
 
 class RequestsFailedError(RuntimeError):
     """A step ended some requests with an error while the others go on: `failures` maps each failed request id
-    to its error (its blocks are already freed); `outputs` are the step's outputs for the others."""
+    to its error (its blocks are already freed); `outputs` are the step's outputs for the others.
+    faulty_step: the model step itself failed (a fault, which the server's health counts); False when only
+    the requests were at fault (a grammar that cannot compile)."""
 
-    def __init__(self, failures: dict[str, Exception], outputs: list[RequestOutput] = ()):
+    def __init__(self, failures: dict[str, Exception], outputs: list[RequestOutput] = (), faulty_step: bool = True):
         super().__init__(f"{len(failures)} requests failed: " + "; ".join(sorted({str(e) for e in failures.values()})))
         self.failures = failures
         self.outputs = list(outputs)
+        self.faulty_step = faulty_step
 
 
 class LLMEngine:
@@ -72,9 +80,12 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
                                    self.executor.max_concurrent_batches, config.scheduler.pipelined_step_tokens)
         self._in_flight: deque[SchedulerOutput] = deque()  # submitted steps, oldest first
+        eos_token_ids = frozenset(resolved.stop_token_ids(self.tokenizer))
         self.input_processor = InputProcessor(self.tokenizer, resolved.config.vocab_size, self.max_model_len,
-                                              frozenset(resolved.stop_token_ids(self.tokenizer)),
-                                              config.cache.block_size, self.kv.num_blocks)
+                                              eos_token_ids, config.cache.block_size, self.kv.num_blocks)
+        self.structured_output = StructuredOutputManager(
+            GrammarCompiler(self.tokenizer, resolved.config.vocab_size, eos_token_ids))
+        self._request_failures: dict[str, Exception] = {}  # failed between steps; raised by the next finish_step
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len, config.record_logits)
         self.num_aborted = 0  # requests stopped before their end (client gone, or an explicit abort)
         self._seq_ids = itertools.count()
@@ -97,17 +108,27 @@ class LLMEngine:
                 for i in range(params.n)]
         seqs[0].fork_children = seqs[1:]  # siblings start from the first one's prompt blocks
         self.output_processor.add_request(request_id, request, seqs, arrival_time or time.time())
-        self.scheduler.add(seqs[0])
+        if params.structured_outputs is not None:
+            self.structured_output.add(request_id, seqs)  # scheduled once its grammar is compiled
+        else:
+            self.scheduler.add(seqs[0])
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its blocks at once. Returns its final output, or None if unknown."""
         output, live = self.output_processor.abort(request_id)
         if output is not None:
             self.num_aborted += 1
-            self.scheduler.finish(live)
+            self._end(request_id, live)
         return output
 
+    def _end(self, request_id: str, live: list[Sequence]) -> None:
+        """Free an ended request's sequences still live: blocks, and grammar matchers or compile."""
+        self.scheduler.finish(live)
+        self.structured_output.release(live)
+        self.structured_output.abort(request_id)
+
     def shutdown(self) -> None:
+        self.structured_output.shutdown()
         self.executor.shutdown()
 
     def has_unfinished_requests(self) -> bool:
@@ -123,17 +144,31 @@ class LLMEngine:
     def submit_steps(self) -> None:
         """Schedule and submit steps until the executor has as many in flight as it runs at once (or there is
         nothing to schedule)."""
+        self._admit_compiled()
         while len(self._in_flight) < self.executor.max_concurrent_batches:
             scheduler_output = self.scheduler.schedule()
             if scheduler_output.is_empty:
                 break
+            self.structured_output.attach_bitmask(scheduler_output)
             self.executor.submit(scheduler_output)
             self._in_flight.append(scheduler_output)
+
+    def _admit_compiled(self) -> None:
+        """Hand the scheduler the requests whose grammar is now compiled; fail those whose grammar did not."""
+        ready, failed = self.structured_output.take_ready()
+        for seqs in ready:
+            self.scheduler.add(seqs[0])
+        for request_id, error in failed.items():
+            _, live = self.output_processor.abort(request_id)
+            self._end(request_id, live)
+            self._request_failures[request_id] = error
 
     def finish_step(self) -> list[RequestOutput]:
         """Wait for the oldest step in flight and turn its tokens into outputs ([] if none is in flight)."""
         if not self._in_flight:
-            return []
+            if self.structured_output.num_compiling:  # nothing to run but grammars to wait for: no busy loop
+                self.structured_output.wait(GRAMMAR_WAIT_S)
+            return self._outputs_or_failures([])
         scheduler_output = self._in_flight.popleft()
         try:
             runner_output = self.executor.collect()
@@ -142,9 +177,26 @@ class LLMEngine:
         except Exception as e:  # noqa: BLE001 (the model failed on this batch: end its requests, keep the rest)
             raise RequestsFailedError(self._end_step_requests(scheduler_output, e)) from e
         ran = self.scheduler.update_from_output(scheduler_output, runner_output)
-        outputs, finished = self.output_processor.process(ran, runner_output)
+        grammar_complete, grammar_broken = self.structured_output.advance(runner_output)
+        broken_requests = {self.structured_output.request_of(seq_id): why for seq_id, why in grammar_broken.items()}
+        outputs, finished = self.output_processor.process(ran, runner_output, grammar_complete)
         self.scheduler.finish(finished)
-        return outputs
+        self.structured_output.release(finished)
+        for request_id, why in broken_requests.items():  # never returned unconstrained: the request fails
+            logger.error("request %s: its grammar rejected a sampled token: %s", request_id, why)
+            _, live = self.output_processor.abort(request_id)
+            self._end(request_id, live)
+            self._request_failures[request_id] = RequestError(
+                f"{FIELD}: the output could not be kept to the grammar ({why.splitlines()[0] if why else why})",
+                param=FIELD)
+        return self._outputs_or_failures(outputs)
+
+    def _outputs_or_failures(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """outputs, or RequestsFailedError carrying them if requests failed since the last step."""
+        if not self._request_failures:
+            return outputs
+        failures, self._request_failures = self._request_failures, {}
+        raise RequestsFailedError(failures, [o for o in outputs if o.request_id not in failures], faulty_step=False)
 
     def _end_step_requests(self, scheduler_output: SchedulerOutput, error: Exception) -> dict[str, Exception]:
         """End every request with a sequence in a failed step and free its blocks; returns their errors."""
@@ -154,15 +206,16 @@ class LLMEngine:
         failure = StepFailedError(f"the model step running this request failed: {type(error).__name__}: {error}")
         for request_id in request_ids:
             _, live = self.output_processor.abort(request_id)
-            self.scheduler.finish(live)
+            self._end(request_id, live)
         return dict.fromkeys(request_ids, failure)
 
     # ---- state, for the server's gauges ---------------------------------------------------------------
 
     @property
     def num_waiting_requests(self) -> int:
-        """Requests with a sequence waiting, each counted once however many of its n samples wait."""
-        return len({seq.request_id for seq in self.scheduler.waiting})
+        """Requests with a sequence waiting (or a grammar compiling), each counted once however many of its n
+        samples wait."""
+        return len({seq.request_id for seq in self.scheduler.waiting}) + self.structured_output.num_compiling
 
     @property
     def kv_cache_tokens(self) -> int:

@@ -66,9 +66,10 @@ class OutputProcessor:
                                                  prompt_logprobs)
         self._seqs.update((seq.seq_id, seq) for seq in seqs)
 
-    def process(self, ran: list[Sequence], runner_output: ModelRunnerOutput) -> tuple[list[RequestOutput],
-                                                                                      list[Sequence]]:
-        """The outputs of every request that ran this step, and the sequences that ended."""
+    def process(self, ran: list[Sequence], runner_output: ModelRunnerOutput, grammar_complete: set[int] = frozenset()
+                ) -> tuple[list[RequestOutput], list[Sequence]]:
+        """The outputs of every request that ran this step, and the sequences that ended. grammar_complete: the
+        constrained sequences whose grammar accepts nothing more (they end with "stop")."""
         now = time.time()
         touched: dict[str, RequestState] = {}
         for seq in ran:
@@ -84,7 +85,8 @@ class OutputProcessor:
         for i, seq_id in enumerate(runner_output.seq_ids):
             seq = self._seqs[seq_id]
             logits = runner_output.logits[i] if runner_output.logits is not None else None
-            if self._add_token(seq, runner_output.sampled_token_ids[i], runner_output.logprobs[i], logits, now):
+            if self._add_token(seq, runner_output.sampled_token_ids[i], runner_output.logprobs[i], logits, now,
+                               seq_id in grammar_complete):
                 finished.append(seq)
         outputs = [self._output(req) for req in touched.values()]
         for req in touched.values():
@@ -93,7 +95,8 @@ class OutputProcessor:
                 self._forget(req)
         return outputs, finished
 
-    def _add_token(self, seq: Sequence, token: int, logprobs: dict[int, Logprob] | None, logits, now: float) -> bool:
+    def _add_token(self, seq: Sequence, token: int, logprobs: dict[int, Logprob] | None, logits, now: float,
+                   grammar_complete: bool = False) -> bool:
         """Record seq's new token (already appended to seq.token_ids); True if it ends the sequence."""
         req = self.requests[seq.request_id]
         if req.metrics.first_token_time is None:
@@ -116,6 +119,8 @@ class OutputProcessor:
             index, stop = hit
             sample.text = sample.text[:index + len(stop) if p.include_stop_str_in_output else index]
             sample.finish_reason, sample.stop_reason = "stop", stop
+        elif grammar_complete:  # the grammar allows nothing more (min_tokens cannot make it)
+            sample.finish_reason = "stop"
         elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             sample.finish_reason = "length"
         return sample.finished

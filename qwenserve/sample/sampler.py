@@ -12,7 +12,12 @@ from typing import Protocol
 import torch
 
 from qwenserve.kernels import cpu_ops_for
-from qwenserve.sample.logits_processors import NEG_INF, apply_penalties, ban_stop_tokens_before_min_tokens
+from qwenserve.sample.logits_processors import (
+    NEG_INF,
+    apply_penalties,
+    apply_token_bitmask,
+    ban_stop_tokens_before_min_tokens,
+)
 from qwenserve.sample.logprob import Logprob
 from qwenserve.sample.logprobs import top_logprobs
 from qwenserve.sample.sampling_params import SamplingParams
@@ -50,18 +55,27 @@ class Sampler:
             # max().indices: the same index as argmax, about 4x faster on CPU for [32, 152k] bf16
             self._argmax = lambda logits: logits.max(dim=-1).indices
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        """logits: [B, V] in the model's dtype, one row per sequence that takes a token this step."""
-        if all(_plain_greedy(r) for r in rows):  # the common case: argmax on the raw logits, no float copy
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
+                 grammar: tuple[torch.Tensor, torch.Tensor] | None = None) -> SamplerOutput:
+        """logits: [B, V] in the model's dtype, one row per sequence that takes a token this step. grammar: (the
+        constrained rows, their token bitmask), applied to those rows at once before a token is chosen."""
+        if grammar is None and all(_plain_greedy(r) for r in rows):  # the common case: argmax on the raw logits
             return SamplerOutput(self._argmax(logits).tolist(), [None] * len(rows))
-        logits = logits.float()
+        # a float copy of our own: the grammar mask writes in place, and the caller may keep its logits
+        logits = logits.clone() if grammar is not None and logits.dtype == torch.float32 else logits.float()
         params = [r.params for r in rows]
         want_logprobs = [p.logprobs is not None for p in params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
 
         logits = apply_penalties(logits, rows)
-        logits = ban_stop_tokens_before_min_tokens(logits, rows)
-        tokens = self._choose(logits, rows)
+        if grammar is not None:
+            apply_token_bitmask(logits, *grammar)
+        banned = ban_stop_tokens_before_min_tokens(logits, rows)
+        if grammar is not None and banned is not logits:
+            # where the grammar allows only stop tokens, it wins over min_tokens: it can produce nothing else
+            stuck = grammar[0][banned[grammar[0]].amax(dim=1) == NEG_INF]
+            banned[stuck] = logits[stuck]
+        tokens = self._choose(banned, rows)
 
         result = SamplerOutput(tokens.tolist(), [None] * len(rows))
         if raw_logprobs is not None:

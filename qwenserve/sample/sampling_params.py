@@ -5,6 +5,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from qwenserve.config.errors import RequestError
+from qwenserve.sample.structured_outputs import StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # as the OpenAI API allows
 
@@ -29,6 +30,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None  # what the output must match (a grammar)
     # filled by the engine: the ids that end a request unless ignore_eos (EOS from the checkpoint)
     eos_token_ids: frozenset[int] = field(default=frozenset(), repr=False)
 
@@ -63,6 +65,11 @@ class SamplingParams:
             value = getattr(self, name)
             _check(value is None or (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS), name,
                    f"must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+               "structured_outputs",
+               f"must be a StructuredOutputsParams or a dict, got {type(self.structured_outputs).__name__}")
         if self.top_k == -1:
             self.top_k = 0
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from qwenserve.core.step import ModelRunnerOutput, SchedulerOutput
+from qwenserve.core.step import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from qwenserve.model.interface import CausalLM
 from qwenserve.model.layers.attention import AttentionMetadata, PagedKVCache, PrefillSpan, decode_kernel_available
 from qwenserve.sample.logprobs import top_logprobs
@@ -56,7 +56,8 @@ class ModelRunner:
         if inputs.sampling_seqs:
             # the sequences' token lists grow when the scheduler sends these tokens back (step.py)
             logits = self.model.compute_logits(hidden[inputs.sample_rows]).cpu()
-            sampled = self.sampler(logits, inputs.sampling_seqs)
+            grammar = _grammar_rows(scheduler_output.grammar_bitmask, inputs.sampling_seqs)
+            sampled = self.sampler(logits, inputs.sampling_seqs, grammar)
             out.seq_ids = [seq.seq_id for seq in inputs.sampling_seqs]
             out.sampled_token_ids = sampled.token_ids
             out.logprobs = sampled.logprobs
@@ -77,3 +78,14 @@ class ModelRunner:
         rows = hidden[chunk.first_row:chunk.first_row + len(targets)]
         logprobs = torch.log_softmax(self.model.compute_logits(rows).float().cpu(), dim=-1)
         return top_logprobs(logprobs, torch.tensor(targets), seq.params.prompt_logprobs)
+
+
+def _grammar_rows(grammar: GrammarBitmask | None, sampling_seqs: list) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The step's grammar bitmask as the sampler takes it: (the rows of the constrained sequences, their masks)."""
+    if grammar is None:
+        return None
+    row_of = {seq.seq_id: i for i, seq in enumerate(sampling_seqs)}
+    missing = [seq_id for seq_id in grammar.seq_ids if seq_id not in row_of]
+    if missing:  # the engine and this worker disagree on who samples: sampling unmasked would break the grammar
+        raise RuntimeError(f"grammar bitmask rows for sequences {missing} that take no token this step")
+    return torch.tensor([row_of[seq_id] for seq_id in grammar.seq_ids]), torch.from_numpy(grammar.bitmask)

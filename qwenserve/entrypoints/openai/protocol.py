@@ -7,10 +7,27 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from qwenserve.config.errors import RequestError
 from qwenserve.sample.sampling_params import SamplingParams
+from qwenserve.sample.structured_outputs import FIELD as STRUCTURED_OUTPUTS, StructuredOutputsParams
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's response_format.json_schema: the schema and its name (strict is always so here: the grammar
+    enforces the schema whatever it says)."""
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict = Field(default_factory=dict, alias="schema")  # OpenAI: absent means an empty schema
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _SamplingFields(BaseModel):
@@ -35,6 +52,35 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None  # OpenAI's
+    structured_outputs: dict | None = None  # vLLM's: one of json, regex, choice, grammar, json_object
+
+    @property
+    def constraint_field(self) -> str:
+        """The request field a complaint about the output constraint is reported against."""
+        return "response_format" if self._response_format_constraint() is not None else STRUCTURED_OUTPUTS
+
+    def _response_format_constraint(self) -> StructuredOutputsParams | None:
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if fmt.json_schema is None:
+            raise RequestError("response_format of type json_schema needs its json_schema", param="response_format")
+        return StructuredOutputsParams(json=fmt.json_schema.schema_)
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The output constraint, from response_format or structured_outputs (not both: one would be dropped)."""
+        try:
+            from_format = self._response_format_constraint()
+        except RequestError as e:
+            raise RequestError(str(e).replace(STRUCTURED_OUTPUTS, "response_format"), param="response_format") from e
+        if from_format is not None and self.structured_outputs is not None:
+            raise RequestError("give response_format or structured_outputs, not both", param="response_format")
+        if self.structured_outputs is not None:
+            return StructuredOutputsParams.from_dict(self.structured_outputs)
+        return from_format
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None, defaults: dict) -> SamplingParams:
         def pick(name: str, fallback):
@@ -47,7 +93,8 @@ class _SamplingFields(BaseModel):
             frequency_penalty=self.frequency_penalty or 0.0, repetition_penalty=pick("repetition_penalty", 1.0),
             seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens, include_stop_str_in_output=self.include_stop_str_in_output)
+            skip_special_tokens=self.skip_special_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=self.structured_outputs_params())
 
 
 class CompletionRequest(_SamplingFields):

@@ -25,7 +25,7 @@ class OpenAIServingChat(OpenAIServing):
         ids = chat_ids(self.tokenizer, body.messages, body.add_generation_prompt)
         rid = f"chatcmpl-{request_id(request)}"
         created = int(time.time())
-        admitted = await self._admit([{"prompt_token_ids": ids}], params, engine_ids_prefix(request, rid))
+        admitted = await self._admit([{"prompt_token_ids": ids}], params, engine_ids_prefix(request, rid), body)
         top_k = params.logprobs or 0
         if body.stream:
             first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,

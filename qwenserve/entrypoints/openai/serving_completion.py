@@ -35,7 +35,8 @@ class OpenAIServingCompletion(OpenAIServing):
         params = self._params(body)
         rid = f"cmpl-{request_id(request)}"
         header = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model}
-        admitted = await self._admit([self._tokenized(p) for p in prompts], params, engine_ids_prefix(request, rid))
+        admitted = await self._admit([self._tokenized(p) for p in prompts], params, engine_ids_prefix(request, rid),
+                                     body)
         if body.stream:
             return self._stream(request, header, admitted, body, self._delta_choices(params.n, body.echo))
         outs = await self._run(admitted, request)

@@ -16,6 +16,8 @@ from qwenserve.engine.async_engine import AsyncLLMEngine, DrainingError, EngineD
 from qwenserve.engine.outputs import RequestOutput
 from qwenserve.entrypoints.openai.metrics import ServerMetrics
 from qwenserve.model.loader.tokenizer import chat_prompt_ids
+from qwenserve.sample.grammar import check_constraint
+from qwenserve.sample.structured_outputs import FIELD as STRUCTURED_OUTPUTS
 
 RETRY_AFTER_S = "1"
 request_logger = logging.getLogger("qwenserve.requests")  # prompts and outputs: only with --log-requests
@@ -113,16 +115,28 @@ class OpenAIServing:
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    def _bad_request(self, e: ValueError) -> APIError:
-        """A RequestError names the field at fault; any other ValueError names none."""
+    def _bad_request(self, e: ValueError, body=None) -> APIError:
+        """A RequestError names the field at fault (a constraint's, as the request gave it: response_format or
+        structured_outputs); any other ValueError names none."""
         param = e.param if isinstance(e, RequestError) else None
-        return APIError(400, str(e), param=self.PROMPT_PARAM if param == "prompt" else param)
+        message = str(e)
+        if param == "prompt":
+            param = self.PROMPT_PARAM
+        elif param == STRUCTURED_OUTPUTS and body is not None and body.constraint_field != STRUCTURED_OUTPUTS:
+            param = body.constraint_field
+            for inner, outer in ((f"{STRUCTURED_OUTPUTS}.json_object", param),
+                                 (f"{STRUCTURED_OUTPUTS}.json", f"{param}.json_schema.schema"),
+                                 (STRUCTURED_OUTPUTS, param)):
+                if message.startswith(inner):
+                    message = outer + message[len(inner):]
+                    break
+        return APIError(400, message, param=param)
 
     def _params(self, body):
         try:
             return body.sampling_params(self.defaults)
         except ValueError as e:
-            raise self._bad_request(e) from e
+            raise self._bad_request(e, body) from e
 
     def _check_fan_out(self, prompt_lens: list[int], params) -> None:
         """Refuse (400, before anything is queued) a request with a prompt whose samples could never run: n over
@@ -146,12 +160,14 @@ class OpenAIServing:
                                 f"{engine.kv_cache_tokens}; lower n or max_tokens",
                            param="n" if n > 1 else "max_tokens")
 
-    async def _admit(self, prompts: list[dict], params, prefix: str) -> Admitted:
+    async def _admit(self, prompts: list[dict], params, prefix: str, body=None) -> Admitted:
         """Admit every prompt before answering, so a bad one is a 400 (and admits none of the others). Each
         prompt comes tokenized ({"prompt_token_ids": ...}, and "prompt" with its text) so its fit is known first."""
         self._check_fan_out([len(p["prompt_token_ids"]) for p in prompts], params)
         admitted = []
         try:
+            if params.structured_outputs is not None:  # here, off the engine thread (which then finds it checked)
+                await asyncio.to_thread(check_constraint, params.structured_outputs)
             for i, prompt in enumerate(prompts):
                 rid = f"{prefix}-{i}"
                 admitted.append((rid, await self.engine.add_request(rid, prompt, params)))
@@ -164,7 +180,7 @@ class OpenAIServing:
             if isinstance(e, OverloadedError):  # a full queue, or a server shutting down: retry later
                 type_ = "server_shutting_down" if isinstance(e, DrainingError) else "server_overloaded"
                 raise APIError(503, str(e), type_, headers={"Retry-After": RETRY_AFTER_S}) from e
-            raise self._bad_request(e) from e
+            raise self._bad_request(e, body) from e
         return admitted
 
     async def _outputs(self, request_id: str, stream: asyncio.Queue) -> AsyncIterator[RequestOutput]:
@@ -222,6 +238,8 @@ class OpenAIServing:
                 outs = task.result()
             except (APIError, EngineDeadError):
                 raise
+            except RequestError as e:  # the request's own fault found after admission (a grammar that will not compile)
+                raise self._bad_request(e) from e
             except Exception as e:  # noqa: BLE001 - a failed step (the engine logged it): a 500 that says little
                 raise APIError(500, public_message(e), "server_error") from e
             record_usage(request, usage(outs))

@@ -1,0 +1,88 @@
+"""What a request's output must match: a JSON schema, any JSON object, a regular expression, one of a list of
+strings, or a grammar (Lark or GBNF). Plain data, checked for shape on construction (a bad value raises
+RequestError naming the field); whether the schema, regex or grammar itself is valid is checked when the
+request is admitted (sample/grammar.py), since that needs the grammar engine."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from qwenserve.config.errors import RequestError
+
+FIELD = "structured_outputs"
+KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    json: str | dict | None = None  # a JSON schema (as a dict or its text)
+    regex: str | None = None
+    choice: list[str] | tuple[str, ...] | None = None
+    grammar: str | None = None  # Lark, or GBNF as llama.cpp writes it
+    json_object: bool | None = None  # any JSON object
+
+    def __post_init__(self):
+        chosen = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(chosen) != 1:
+            found = f"got {', '.join(chosen)}" if chosen else "got none"
+            raise RequestError(f"{FIELD} takes exactly one of {', '.join(KINDS)}; {found}", param=FIELD)
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise RequestError(f"{FIELD}.json must be a JSON schema (an object or its text), got "
+                               f"{type(self.json).__name__}", param=FIELD)
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise RequestError(f"{FIELD}.{name} must be a non-empty string", param=FIELD)
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                raise RequestError(f"{FIELD}.choice must be a non-empty list of non-empty strings", param=FIELD)
+            object.__setattr__(self, "choice", tuple(self.choice))  # hashable, so the key below is
+        if self.json_object not in (None, True, False):
+            raise RequestError(f"{FIELD}.json_object must be true or false", param=FIELD)
+        object.__setattr__(self, "_key", self._make_key())  # also checks that a schema's text is JSON
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, text): equal for equal constraints, whatever order a schema's keys came in; the compiled
+        grammar cache is keyed by it."""
+        return self._key
+
+    def _make_key(self) -> tuple[str, str]:
+        kind = self.kind
+        value = getattr(self, kind)
+        if kind == "json":
+            value = _canonical_json(value)
+        elif kind == "choice":
+            value = json.dumps(list(value))
+        elif kind == "json_object":
+            value = ""
+        return kind, value
+
+    @classmethod
+    def from_dict(cls, fields: dict) -> "StructuredOutputsParams":
+        """From a request body's object; a key this engine does not know is an error, not ignored (dropping it
+        could drop the constraint)."""
+        if not isinstance(fields, dict):
+            raise RequestError(f"{FIELD} must be an object with one of {', '.join(KINDS)}", param=FIELD)
+        unknown = sorted(set(fields) - set(KINDS))
+        if unknown:
+            raise RequestError(f"{FIELD} has unknown field(s) {', '.join(unknown)}; it takes one of "
+                               f"{', '.join(KINDS)}", param=FIELD)
+        return cls(**fields)
+
+
+def _canonical_json(schema: str | dict) -> str:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise RequestError(f"{FIELD}.json is not valid JSON: {e}", param=FIELD) from e
+    if not isinstance(schema, dict):
+        raise RequestError(f"{FIELD}.json must be a JSON object (a schema), got {type(schema).__name__}",
+                           param=FIELD)
+    return json.dumps(schema, sort_keys=True, separators=(",", ":"))
