@@ -8,7 +8,7 @@ For each engine that imports, with the bundled model's tokenizer padded to the m
 The apply step is measured twice: with the engine's own function, and with one table-lookup apply in plain
 torch (the one qwenserve uses), so fill and apply can be told apart.
 
-Run: flock /tmp/cpu.lock python scripts/bench_grammar_engines.py [--engines llguidance,xgrammar,outlines]
+Run: .venv/bin/python scripts/bench_grammar_engines.py [--engines llguidance,xgrammar,outlines]
 Engines that are not installed are skipped. Nothing here is imported by qwenserve."""
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ cold and cached, in the engine's own compiler.
 Every request writes exactly max_tokens tokens either way: unconstrained ones ignore EOS, constrained ones
 follow a schema whose one string needs more characters than max_tokens tokens hold.
 
-Run: flock /tmp/cpu.lock python scripts/bench_structured_tpot.py [--batch 32] [--max-tokens 64] [--rounds 2]"""
+Run: .venv/bin/python scripts/bench_structured_tpot.py [--batch 32] [--max-tokens 64] [--rounds 2]"""
 from __future__ import annotations
 
 import argparse

@@ -172,7 +172,9 @@ struct Avx2Kernel<KQuant45<Type>> {
     u[1] = (w[2] & kLow4) | (((w[0] >> 6) & kLow2) << 4);
     u[2] = w[1] & kLow6;
     u[3] = ((w[2] >> 4) & kLow4) | (((w[1] >> 6) & kLow2) << 4);
-    std::memcpy(out, u, 16);
+    // one 16-byte store, so that partials' vector load of the 16 bytes is forwarded from it
+    _mm_store_si128(reinterpret_cast<__m128i*>(out), _mm_setr_epi32(static_cast<int>(u[0]), static_cast<int>(u[1]),
+                                                                     static_cast<int>(u[2]), static_cast<int>(u[3])));
   }
   static Codes decode(const uint8_t* blk) {
     Codes c;
@@ -194,13 +196,19 @@ struct Avx2Kernel<KQuant45<Type>> {
     }
     return c;
   }
+  // sub-block s's scale as an int16 word in every lane: one byte shuffle of the scales in both 128-bit lanes, where
+  // a broadcast from the byte took three instructions
+  static __m256i scale_words(__m256i scales, int s) {
+    return _mm256_shuffle_epi8(scales, _mm256_set1_epi16(static_cast<int16_t>(0x8000 | s)));
+  }
   static __m256i partials(const Codes& c, const Act& a) {
+    const __m256i scales = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(c.scales)));
     __m256i isum = _mm256_setzero_si256();
     for (int k = 0; k < 4; ++k) {
       const __m256i plo = _mm256_madd_epi16(_mm256_maddubs_epi16(c.lo[k], load32(a.qs + 64 * k)),
-                                            _mm256_set1_epi16(c.scales[2 * k]));
+                                            scale_words(scales, 2 * k));
       const __m256i phi = _mm256_madd_epi16(_mm256_maddubs_epi16(c.hi[k], load32(a.qs + 64 * k + 32)),
-                                            _mm256_set1_epi16(c.scales[2 * k + 1]));
+                                            scale_words(scales, 2 * k + 1));
       isum = _mm256_add_epi32(isum, _mm256_add_epi32(plo, phi));
     }
     return isum;
