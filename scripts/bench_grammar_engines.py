@@ -13,6 +13,7 @@ Engines that are not installed are skipped. Nothing here is imported by qwenserv
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import random
 import statistics
@@ -133,7 +134,9 @@ class Outlines:
         import outlines_core.json_schema
         import outlines_core.kernels.torch
         self.oc, self.kernels = outlines_core, outlines_core.kernels.torch
-        byte_of = {c: b for b, c in enumerate(_byte_alphabet())}
+        # GPT-2's byte -> printable character table (how byte-level BPE spells token bytes), reversed
+        to_char = importlib.import_module("transformers.convert_slow_tokenizer").bytes_to_unicode()
+        byte_of = {c: b for b, c in to_char.items()}
         special = set(tokenizer.all_special_ids)
         by_bytes: dict[bytes, list[int]] = {}
         for text, token_id in tokenizer.get_vocab().items():
@@ -159,19 +162,6 @@ class Outlines:
 
     def accept(self, matcher, token):
         matcher.advance(token, return_tokens=False)
-
-
-def _byte_alphabet() -> list[str]:
-    """GPT-2's byte -> printable character table, in byte order (how byte-level BPE spells token bytes)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = [], 0
-    for b in range(256):
-        if b in printable:
-            chars.append(chr(b))
-        else:
-            chars.append(chr(256 + extra))
-            extra += 1
-    return chars
 
 
 def time_compile(engine, repeats: int) -> tuple[float, float]:
