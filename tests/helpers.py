@@ -297,6 +297,22 @@ def live_server(app, server_class=None, **config):
         thread.join(timeout=10)
 
 
+
+@contextlib.contextmanager
+def bundled_model_server(**engine_kwargs):
+    """The bundled model behind a live OpenAI server (served model name "qwen"); yields (base URL, engine)."""
+    from qwenserve.config.engine_config import EngineConfig
+    from qwenserve.engine.async_engine import AsyncLLMEngine
+    from qwenserve.engine.llm_engine import LLMEngine
+    from qwenserve.entrypoints.openai.api_server import build_app
+    from qwenserve.model.loader.bundled import bundled_model_path
+    engine = AsyncLLMEngine(LLMEngine(EngineConfig.from_kwargs(model=bundled_model_path(), **engine_kwargs)))
+    try:
+        with live_server(build_app(engine, ["qwen"])) as url:
+            yield url, engine
+    finally:
+        engine.shutdown()
+
 def metric_value(metrics_text: str, name: str) -> float:
     """A Prometheus series' value in /metrics text (summed over its labels)."""
     values = [float(line.rsplit(" ", 1)[1]) for line in metrics_text.splitlines()

@@ -7,12 +7,7 @@ import httpx
 import openai
 import pytest
 
-from qwenserve.config.engine_config import EngineConfig
-from qwenserve.engine.async_engine import AsyncLLMEngine
-from qwenserve.engine.llm_engine import LLMEngine
-from qwenserve.entrypoints.openai.api_server import build_app
-
-from helpers import live_server
+from helpers import bundled_model_server
 from helpers import wait_idle_and_clean as idle_and_clean
 
 pytestmark = pytest.mark.slow
@@ -30,11 +25,8 @@ QUESTION = [{"role": "user", "content": "What is the weather like in Paris today
 
 @pytest.fixture(scope="module")
 def server():
-    from qwenserve.model.loader.bundled import bundled_model_path
-    engine = AsyncLLMEngine(LLMEngine(EngineConfig.from_kwargs(model=bundled_model_path(), kv_cache_memory="512MiB")))
-    with live_server(build_app(engine, ["qwen"])) as url:
-        yield url, engine
-    engine.shutdown()
+    with bundled_model_server(kv_cache_memory="512MiB") as served:
+        yield served
 
 
 @pytest.fixture(scope="module")
