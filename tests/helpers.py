@@ -7,6 +7,7 @@ import os
 import time
 
 import numpy as np
+import pytest
 import torch
 
 from qwenserve import SamplingParams
@@ -312,6 +313,21 @@ def bundled_model_server(**engine_kwargs):
             yield url, engine
     finally:
         engine.shutdown()
+
+
+@pytest.fixture(scope="module", name="server")
+def bundled_openai_server():
+    """Fixture `server`, for a test module that imports it: the bundled model behind a live OpenAI server, one per
+    module, as (base URL, engine)."""
+    with bundled_model_server(kv_cache_memory="512MiB") as served:
+        yield served
+
+
+@pytest.fixture(scope="module", name="client")
+def bundled_openai_client(server):
+    """Fixture `client`: the openai client of that server."""
+    import openai
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="none", max_retries=0)
 
 def metric_value(metrics_text: str, name: str) -> float:
     """A Prometheus series' value in /metrics text (summed over its labels)."""

@@ -11,7 +11,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from helpers import bundled_model_server
+from helpers import bundled_openai_client, bundled_openai_server  # noqa: F401 (fixtures client, server)
 from helpers import wait_idle_and_clean as idle_and_clean
 
 pytestmark = pytest.mark.slow
@@ -29,17 +29,6 @@ class Person(BaseModel):  # five fields, one of them nested: the issue's typical
     email: str = Field(max_length=60)
     languages: list[str] = Field(max_length=4)
     address: Address
-
-
-@pytest.fixture(scope="module")
-def server():
-    with bundled_model_server(kv_cache_memory="512MiB") as served:
-        yield served
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server[0] + "/v1", api_key="none", max_retries=0)
 
 
 def sample_concurrently(server, create, count=SAMPLES):

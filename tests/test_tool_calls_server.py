@@ -4,10 +4,9 @@ that always parse, streamed call deltas that reassemble to the whole answer's, a
 import json
 
 import httpx
-import openai
 import pytest
 
-from helpers import bundled_model_server
+from helpers import bundled_openai_client, bundled_openai_server  # noqa: F401 (fixtures client, server)
 from helpers import wait_idle_and_clean as idle_and_clean
 
 pytestmark = pytest.mark.slow
@@ -21,17 +20,6 @@ TIME = {"type": "function", "function": {"name": "get_time", "description": "The
                                          "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                         "required": ["city"]}}}
 QUESTION = [{"role": "user", "content": "What is the weather like in Paris today, in celsius?"}]
-
-
-@pytest.fixture(scope="module")
-def server():
-    with bundled_model_server(kv_cache_memory="512MiB") as served:
-        yield served
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server[0] + "/v1", api_key="none", max_retries=0)
 
 
 @pytest.mark.parametrize("tool_choice", ["auto", "required"])
