@@ -91,6 +91,10 @@ class LoadConfig:
     cpu_isa: str = setting(AUTO, "which build of the CPU kernels runs: auto (the best this CPU runs) or a variant "
                                  f"({', '.join(v.name for v in VARIANTS)}) this CPU runs, to compare CPU "
                                  "families on one machine (default: %(default)s)", env="QWENSERVE_CPU_ISA")
+    enforce_eager: bool = setting(False, "run each decoder layer's modules one by one at decode, instead of one "
+                                         "call of the compiled kernels for all the layers (the CPU's stand-in for a "
+                                         "captured graph; same results), to compare or debug (default: off)",
+                                  env="QWENSERVE_ENFORCE_EAGER")
 
     def __post_init__(self):
         choose_variant(self.cpu_isa)  # an unknown name, or a variant this CPU cannot run, fails here, not at load

@@ -32,7 +32,8 @@ from qwenserve.kernels import sources
 logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
-# the choice of the enclosing use_cpu_kernels / disabled blocks: "disabled" (bool), "cpu_isa" (a setting's value)
+# the choice of the enclosing use_cpu_kernels / disabled / eager blocks: "disabled" and "eager" (bools), "cpu_isa" (a
+# setting's value)
 _state: dict[str, object] = {}
 # variant name -> its ops namespace, None (no compiler to build it) or the KernelBuildError its build raised
 _loaded: dict[str, object] = {}
@@ -205,11 +206,25 @@ def disabled():
     return _choice(disabled=True)
 
 
-def use_cpu_kernels(enabled: bool, cpu_isa: str | None = None):
-    """A block in which models and runners are built as the settings cpu_kernels and cpu_isa say: with the
-    kernels of the variant cpu_isa names (None: as the enclosing block chose, else auto), or (off) on PyTorch ops
-    only. Switching them on inside a disabled block leaves them off."""
+def eager():
+    """Models built inside the block run every decoder layer's modules one by one at decode, never one DecodeLayers
+    call for them all (model/layers/decode_layers.py), for comparing the two. Blocks may nest."""
+    return _choice(eager=True)
+
+
+def fused_decode_allowed() -> bool:
+    """Whether a model built now may run its decode steps' layers as one call (not inside an eager block)."""
+    return not _state.get("eager")
+
+
+def use_cpu_kernels(enabled: bool, cpu_isa: str | None = None, enforce_eager: bool = False):
+    """A block in which models and runners are built as the settings cpu_kernels, cpu_isa and enforce_eager say:
+    with the kernels of the variant cpu_isa names (None: as the enclosing block chose, else auto), or (off) on
+    PyTorch ops only; with enforce_eager, layer by layer at decode too. Switching them on inside a disabled block
+    leaves them off."""
     choice: dict[str, object] = {} if enabled else {"disabled": True}
     if cpu_isa is not None:
         choice["cpu_isa"] = cpu_isa
+    if enforce_eager:
+        choice["eager"] = True
     return _choice(**choice)

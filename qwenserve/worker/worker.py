@@ -44,7 +44,7 @@ class Worker:
         if self.device.type == "cpu":
             keep_large_allocations_in_heap()
         # the layers choose their implementation (and the kernels' variant) when built
-        with use_cpu_kernels(config.load.cpu_kernels, config.load.cpu_isa):
+        with use_cpu_kernels(config.load.cpu_kernels, config.load.cpu_isa, config.load.enforce_eager):
             self.model = load_model(resolved, self.device, tp, pp)
         self.max_model_len = resolved.max_model_len
         spec = self.model.kv_cache_spec()

@@ -1,4 +1,5 @@
-// Registers the fused CPU kernels for the decoder layer as torch.ops.<QS_OPS_NAMESPACE>.*. Each replaces a chain
+// Registers the fused CPU kernels for the decoder layer as torch.ops.<QS_OPS_NAMESPACE>.*, and the DecodeLayers class
+// as torch.classes.<QS_OPS_NAMESPACE>.DecodeLayers. Each replaces a chain
 // of small PyTorch ops (and their temporaries) with one pass over the data. The schemas and the CPU bindings live
 // here only: TORCH_LIBRARY may appear once per library, and keeping the bindings next to it shows every op at a
 // glance. Every .cpp under cpu/ is built once per CPU variant (qwenserve/config/cpu_variants.py), each library
@@ -6,6 +7,7 @@
 
 #include <torch/library.h>
 
+#include "decode_layers.h"
 #include "ops.h"
 
 #ifndef QS_OPS_NAMESPACE
@@ -30,6 +32,13 @@ QS_TORCH_LIBRARY(QS_OPS_NAMESPACE, m) {
   m.def("ggml_mm(Tensor(a!) out, Tensor x, Tensor raw, int ggml_type, int group=1, Tensor? bias=None, "
         "int act_levels=1) -> ()");
   m.def("ggml_mm_tiles(int ggml_type) -> bool", &qwenserve::cpu::ggml_mm_tiles);  // no tensor: no dispatch key
+  using qwenserve::cpu::DecodeLayers;
+  m.class_<DecodeLayers>("DecodeLayers")
+      .def(torch::init<int64_t, int64_t, int64_t, double, double, int64_t, at::Tensor>())
+      .def("add_layer", &DecodeLayers::add_layer)
+      .def("add_segment", &DecodeLayers::add_segment)
+      .def("run", &DecodeLayers::run)
+      .def("num_layers", &DecodeLayers::num_layers);
 }
 
 QS_TORCH_LIBRARY_IMPL(QS_OPS_NAMESPACE, CPU, m) {

@@ -20,9 +20,11 @@ from qwenserve.config.tuning import this_cpu_tuning
 from qwenserve.distributed.layout import check_head_split
 from qwenserve.distributed.pipeline import PipelineParallel
 from qwenserve.distributed.tensor_parallel import TensorParallel
+from qwenserve.kernels import cpu_ops_for, fused_decode_allowed
 from qwenserve.model.interface import KVCacheSpec
 from qwenserve.model.layers.activation import SiluAndMul
 from qwenserve.model.layers.attention import Attention, AttentionMetadata
+from qwenserve.model.layers.decode_layers import FusedDecodeLayers
 from qwenserve.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from qwenserve.model.layers.layernorm import RMSNorm
 from qwenserve.model.layers.linear import LinearMethod, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -121,14 +123,22 @@ class Qwen2Model(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if pp.is_last else None
         # a plain list, made once: slicing the ModuleList in forward would build a new ModuleList every step
         self.own_layers: list[Qwen2DecoderLayer] = list(self.layers)[self.start_layer:self.end_layer]
+        ops = cpu_ops_for(torch.empty(0).device) if fused_decode_allowed() else None
+        self.fused_decode = FusedDecodeLayers(self.own_layers, ops)
 
     def forward(self, input_ids, positions, attn_metadata, intermediate=None):
         if self.pp.is_first:
             hidden, residual = self.embed_tokens(input_ids), None
         else:
             hidden, residual = intermediate
-        for layer in self.own_layers:
-            hidden, residual = layer(positions, hidden, residual, attn_metadata)
+        fused = self.fused_decode.call_for(attn_metadata, positions.shape[0])
+        if fused is not None:
+            group = attn_metadata.decode[0]
+            hidden, residual = fused.run(hidden, residual, positions, attn_metadata.slot_mapping, group.block_tables,
+                                         group.context_lens)
+        else:
+            for layer in self.own_layers:
+                hidden, residual = layer(positions, hidden, residual, attn_metadata)
         if not self.pp.is_last:
             return hidden, residual
         hidden, _ = self.norm(hidden, residual)

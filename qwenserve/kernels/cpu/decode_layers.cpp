@@ -1,0 +1,110 @@
+// A decode-only batch through a pipeline stage's decoder layers in one call (DecodeLayers): the CPU's stand-in for
+// a captured graph. It calls the same kernels in the same order as the layer modules do one by one (norms, the
+// projections' ggml_mm segments, rotary, the KV write, paged decode attention, SiLU), so its results are
+// bit-identical to theirs; what it removes is the Python between the calls, which at batch 1 on a small model is
+// a sixth of a step (docs/performance.md, "Decode layers in one call"). Built once per model and KV cache by
+// model/layers/decode_layers.py, which also decides when a step may take it.
+
+#include "decode_layers.h"
+
+#include <cstring>
+
+#include "ops.h"
+
+namespace qwenserve::cpu {
+
+DecodeLayers::DecodeLayers(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale,
+                           int64_t act_levels, at::Tensor cos_sin)
+    : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale), act_levels_(act_levels),
+      cos_sin_(std::move(cos_sin)) {
+  TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim % 2 == 0,
+              "DecodeLayers: heads must be a multiple of kv_heads and head_dim even");
+}
+
+void DecodeLayers::add_layer(at::Tensor input_norm, at::Tensor post_norm, at::Tensor k_cache, at::Tensor v_cache) {
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
+              k_cache.sizes() == v_cache.sizes() && k_cache.size(2) == kv_heads_ && k_cache.size(3) == head_dim_,
+              "DecodeLayers.add_layer: caches must be contiguous [blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(k_cache.scalar_type() == input_norm.scalar_type(),
+              "DecodeLayers.add_layer: the cache must hold the activations' dtype (no int8 / fp8 codes)");
+  layers_.push_back(Layer{std::move(input_norm), std::move(post_norm), {}, std::move(k_cache), std::move(v_cache)});
+}
+
+void DecodeLayers::add_segment(int64_t projection, int64_t out_features, at::Tensor raw, int64_t ggml_type,
+                               int64_t group, std::optional<at::Tensor> bias, int64_t offset, int64_t rows) {
+  TORCH_CHECK(!layers_.empty(), "DecodeLayers.add_segment: add the layer first");
+  TORCH_CHECK(projection >= 0 && projection < kProjections, "DecodeLayers.add_segment: projection ", projection,
+              " is not 0 (qkv), 1 (o), 2 (gate_up) or 3 (down)");
+  TORCH_CHECK(offset >= 0 && rows > 0 && offset + rows <= out_features,
+              "DecodeLayers.add_segment: rows [", offset, ", ", offset + rows, ") outside ", out_features, " outputs");
+  Projection& p = layers_.back().projections[projection];
+  TORCH_CHECK(p.out_features == 0 || p.out_features == out_features,
+              "DecodeLayers.add_segment: segments of one projection disagree on its outputs");
+  p.out_features = out_features;
+  p.segments.push_back(Segment{std::move(raw), ggml_type, group, std::move(bias), offset, rows});
+}
+
+// out[B, out_features] = x @ W^T (+ bias), one ggml_mm per segment, as GGMLBlockLinearMethod.apply does at few rows
+void DecodeLayers::project(at::Tensor& out, const at::Tensor& x, const Projection& p) const {
+  for (const Segment& s : p.segments) {
+    at::Tensor target = s.rows == p.out_features ? out : out.narrow(1, s.offset, s.rows);
+    ggml_mm(target, x, s.raw, s.ggml_type, s.group, s.bias, act_levels_);
+  }
+}
+
+// This step's k and v rows of the fused projection's output into their cache slots (index_copy_ on the module path)
+void DecodeLayers::write_kv(const Layer& layer, const at::Tensor& qkv, const at::Tensor& slots) const {
+  const int64_t rows = qkv.size(0), kv = kv_heads_ * head_dim_, q = heads_ * head_dim_;
+  const int64_t bytes = kv * qkv.element_size(), slot_count = layer.k_cache.size(0) * layer.k_cache.size(1);
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const char* base = static_cast<const char*>(qkv.data_ptr());
+  char* k = static_cast<char*>(layer.k_cache.data_ptr());
+  char* v = static_cast<char*>(layer.v_cache.data_ptr());
+  const int64_t row_bytes = qkv.stride(0) * qkv.element_size(), elem = qkv.element_size();
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(slot[r] >= 0 && slot[r] < slot_count, "DecodeLayers: slot ", slot[r], " outside the cache");
+    std::memcpy(k + slot[r] * bytes, base + r * row_bytes + q * elem, bytes);
+    std::memcpy(v + slot[r] * bytes, base + r * row_bytes + (q + kv) * elem, bytes);
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> DecodeLayers::run(at::Tensor hidden, std::optional<at::Tensor> residual,
+                                                     at::Tensor positions, at::Tensor slots, at::Tensor block_tables,
+                                                     at::Tensor context_lens) const {
+  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "DecodeLayers.run: hidden must be a contiguous [B, H]");
+  const int64_t rows = hidden.size(0);
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == rows,
+              "DecodeLayers.run: slots must be int64, one per row");
+  const int64_t q_size = heads_ * head_dim_;
+  at::Tensor res = residual.has_value() ? *residual : at::Tensor();
+  at::Tensor attn = at::empty({rows, heads_, head_dim_}, hidden.options());
+  for (const Layer& layer : layers_) {
+    const auto& [qkv_p, o_p, gate_up_p, down_p] = layer.projections;
+    if (!res.defined()) {  // the first layer of the first stage: the embedding is the residual
+      res = hidden;
+      hidden = at::empty_like(res);
+      rms_norm(hidden, res, layer.input_norm, eps_);
+    } else {
+      fused_add_rms_norm(hidden, res, layer.input_norm, eps_);
+    }
+    at::Tensor qkv = at::empty({rows, qkv_p.out_features}, hidden.options());
+    project(qkv, hidden, qkv_p);
+    rotary_embedding(qkv, positions, cos_sin_, heads_ + kv_heads_, head_dim_);
+    write_kv(layer, qkv, slots);
+    at::Tensor q = qkv.narrow(1, 0, q_size).view({rows, heads_, head_dim_});
+    paged_decode_attention(attn, q, layer.k_cache, layer.v_cache, block_tables, context_lens, scale_, std::nullopt,
+                           std::nullopt);
+    at::Tensor attended = at::empty({rows, o_p.out_features}, hidden.options());
+    project(attended, attn.view({rows, q_size}), o_p);
+    fused_add_rms_norm(attended, res, layer.post_norm, eps_);
+    at::Tensor gate_up = at::empty({rows, gate_up_p.out_features}, hidden.options());
+    project(gate_up, attended, gate_up_p);
+    at::Tensor act = at::empty({rows, gate_up_p.out_features / 2}, hidden.options());
+    silu_and_mul(act, gate_up);
+    hidden = at::empty({rows, down_p.out_features}, hidden.options());
+    project(hidden, act, down_p);
+  }
+  return {hidden, res};
+}
+
+}  // namespace qwenserve::cpu

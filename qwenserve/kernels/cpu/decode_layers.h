@@ -1,0 +1,59 @@
+// DecodeLayers (decode_layers.cpp): a pipeline stage's decoder layers for decode-only batches, bound as a torch
+// custom class by register.cpp. Declared here so that file can bind its methods.
+#pragma once
+
+#include <torch/custom_class.h>
+
+#include <array>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+namespace qwenserve::cpu {
+
+class DecodeLayers : public torch::CustomClassHolder {
+ public:
+  // the projections of a layer, in the order add_segment numbers them
+  static constexpr int64_t kProjections = 4;  // qkv, o, gate_up, down
+
+  DecodeLayers(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale, int64_t act_levels,
+               at::Tensor cos_sin);
+  // the next layer: its two norm weights and its KV cache tensors [blocks, block_size, kv_heads, head_dim]
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, at::Tensor k_cache, at::Tensor v_cache);
+  // one ggml_mm call of the last layer's projection: its rows [offset, offset + rows) of out_features outputs
+  void add_segment(int64_t projection, int64_t out_features, at::Tensor raw, int64_t ggml_type, int64_t group,
+                   std::optional<at::Tensor> bias, int64_t offset, int64_t rows);
+  // hidden [B, H] (and the residual, None on the first stage) -> (hidden, residual) after the last layer, as the
+  // layer modules return them; positions, slots: [B] int64; block_tables [B, width], context_lens [B] int64
+  std::tuple<at::Tensor, at::Tensor> run(at::Tensor hidden, std::optional<at::Tensor> residual, at::Tensor positions,
+                                         at::Tensor slots, at::Tensor block_tables, at::Tensor context_lens) const;
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+ private:
+  struct Segment {
+    at::Tensor raw;
+    int64_t ggml_type, group;
+    std::optional<at::Tensor> bias;
+    int64_t offset, rows;
+  };
+  struct Projection {
+    std::vector<Segment> segments;
+    int64_t out_features = 0;
+  };
+  struct Layer {
+    at::Tensor input_norm, post_norm;
+    std::array<Projection, kProjections> projections;
+    at::Tensor k_cache, v_cache;
+  };
+
+  void project(at::Tensor& out, const at::Tensor& x, const Projection& p) const;
+  void write_kv(const Layer& layer, const at::Tensor& qkv, const at::Tensor& slots) const;
+
+  int64_t heads_, kv_heads_, head_dim_;
+  double eps_, scale_;
+  int64_t act_levels_;
+  at::Tensor cos_sin_;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace qwenserve::cpu

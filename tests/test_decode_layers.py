@@ -1,0 +1,62 @@
+"""Decode steps of a block-quantized model run all its decoder layers in one call of the compiled kernels
+(model/layers/decode_layers.py), which calls the kernels the layer modules call, in their order. Checked against
+enforce_eager (the modules one by one) on a tiny random GGUF model: the same tokens and the same log-probabilities
+to the bit, in bf16 and float32, with sequences of different lengths decoding side by side; the call is taken for
+decode steps, never for prefill, and not where some part of a layer has no kernel."""
+import pytest
+from helpers import save_gguf, tiny_hf_model
+
+from qwenserve import LLM, SamplingParams
+from qwenserve.model.layers.decode_layers import FusedDecodeLayers
+
+PROMPTS = ["abc", "hello there, this prompt is longer than the others", "x = [1, 2, 3]\nprint(x)"]
+
+
+@pytest.fixture(scope="module")
+def gguf_path(tmp_path_factory):
+    hf = tiny_hf_model(seed=7, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96)
+    # llama.cpp's Q4_K_M mix for 32-weight types: more bits for v and down
+    return save_gguf(hf, str(tmp_path_factory.mktemp("d") / "tiny.gguf"), "Q5_0",
+                     {"v_proj": "Q8_0", "down_proj": "Q8_0", "lm_head": "Q8_0"})
+
+
+@pytest.fixture
+def fused_steps(monkeypatch):
+    """Rows of each step the one-call path ran (0 for a step the modules ran)."""
+    steps = []
+    original = FusedDecodeLayers.call_for
+
+    def counting(self, attn_metadata, rows):
+        call = original(self, attn_metadata, rows)
+        steps.append(rows if call is not None else 0)
+        return call
+    monkeypatch.setattr(FusedDecodeLayers, "call_for", counting)
+    return steps
+
+
+def generate(path, dtype, enforce_eager, **engine):
+    llm = LLM(model=path, dtype=dtype, enforce_eager=enforce_eager, max_model_len=256, **engine)
+    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=3, ignore_eos=True)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    return [(list(o.outputs[0].token_ids), [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs])
+            for o in outs]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_one_call_equals_the_layer_modules_bit_for_bit(ops, gguf_path, fused_steps, dtype):
+    fused = generate(gguf_path, dtype, enforce_eager=False)
+    assert max(fused_steps) == len(PROMPTS), "the batched decode steps did not take the one-call path"
+    assert 0 in fused_steps, "the prefill step must run the modules"
+    fused_steps.clear()
+    eager = generate(gguf_path, dtype, enforce_eager=True)
+    assert not any(fused_steps), "enforce_eager must run the modules at every step"
+    assert fused == eager
+
+
+def test_parts_without_a_kernel_run_the_modules(ops, gguf_path, fused_steps):
+    """An int8 KV cache (codes and scales written by Python) and dense weights keep the modules, with the same
+    answers as enforce_eager."""
+    for engine in ({"kv_cache_dtype": "int8"}, {"quantization": "none"}):
+        taken = generate(gguf_path, "bfloat16", enforce_eager=False, **engine)
+        assert not any(fused_steps), engine
+        assert taken == generate(gguf_path, "bfloat16", enforce_eager=True, **engine)
