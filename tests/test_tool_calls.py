@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from qwenserve.entrypoints.openai.protocol import ChatCompletionRequest
 from qwenserve.entrypoints.openai.tool_calls import ToolCallStream, forced_call_grammar, parse_tool_calls
 from qwenserve.sample.grammar import check_constraint
 from qwenserve.sample.structured_outputs import StructuredOutputsParams
@@ -69,4 +70,21 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 
 @pytest.mark.parametrize("only, parallel", [(None, True), (None, False), ("get_weather", False)])
 def test_forced_call_grammar_is_valid(only, parallel):
-    check_constraint(StructuredOutputsParams(grammar=forced_call_grammar(TOOLS, only, parallel)))
+    tools = [tool for tool in TOOLS if only is None or tool["function"]["name"] == only]
+    check_constraint(StructuredOutputsParams(grammar=forced_call_grammar(tools, parallel)))
+
+
+@pytest.mark.parametrize("tool_choice, forced", [
+    ("auto", None), ("none", None), ("required", ["get_weather", "get_time"]),
+    ({"type": "function", "function": {"name": "get_time"}}, ["get_time"])])
+def test_the_forced_call_grammar_is_built_from_the_tag_ids_given(tool_choice, forced):
+    """The server passes the tokenizer's tag ids to sampling_params; the request model keeps no state of its own."""
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=TOOLS, tool_choice=tool_choice)
+    assert body.forces_tool_calls == (forced is not None)
+    assert [t["function"]["name"] for t in body.forced_tools() or ()] == (forced or [])
+    constraint = body.sampling_params({}, tool_tag_ids=(151657, 151658)).structured_outputs
+    if forced is None:
+        assert constraint is None
+    else:
+        assert "<[151657]>" in constraint.grammar and "<[151658]>" in constraint.grammar
+        assert body.sampling_params({}).structured_outputs.grammar.count('"<tool_call>"') == 1  # no ids: the text

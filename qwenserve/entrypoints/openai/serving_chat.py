@@ -27,8 +27,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create_chat_completion(self, body: ChatCompletionRequest, request: Request):
         model = self.models.model_name(body.model)
-        body._tool_tag_ids = self.tool_tag_ids
-        params = self._params(body)
+        params = self._params(body, tool_tag_ids=self.tool_tag_ids)
         tools = body.tools_in_use
         tool_names = {tool["function"]["name"] for tool in tools or ()}
         ids = chat_ids(self.tokenizer, body.messages, body.add_generation_prompt, tools)

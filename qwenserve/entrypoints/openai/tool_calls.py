@@ -152,17 +152,14 @@ def tag_token_ids(tokenizer) -> tuple[int, int] | None:
     return ids[0], ids[1]
 
 
-def forced_call_grammar(tools: list[dict], only: str | None, parallel: bool,
-                        tag_ids: tuple[int, int] | None = None) -> str:
-    """A Lark grammar (llguidance's, with %json) for answers that are only tool calls in the template's format:
-    of the named function (`only`), or of any of the tools; one call, or several when parallel. tag_ids: the
-    tags' own tokens, which the grammar names by id (llguidance masks such a token by its text, but consumes
-    it as a special token, so a tag written as text would reject the very token the mask allowed)."""
+def forced_call_grammar(tools: list[dict], parallel: bool, tag_ids: tuple[int, int] | None = None) -> str:
+    """A Lark grammar (llguidance's, with %json) for answers that are only tool calls in the template's format,
+    of any of the tools; one call, or several when parallel. tag_ids: the tags' own tokens, which the grammar
+    names by id (llguidance masks such a token by its text, but consumes it as a special token, so a tag written
+    as text would reject the very token the mask allowed)."""
     schemas = []
     for tool in tools:
         function = tool["function"]
-        if only is not None and function["name"] != only:
-            continue
         schemas.append({"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
                         "properties": {"name": {"const": function["name"]},
                                        "arguments": function.get("parameters") or {"type": "object"}}})
