@@ -63,6 +63,8 @@ def test_parser_takes_the_format_and_the_usual_slips_and_never_raises(text, cont
     ('{"name": "get_time"}', None, [("get_time", "{}")]),  # no arguments
     ('{"name": "get_time", "parameters": {"zone": "CET"}, "id": 3}', None, [("get_time", '{"zone": "CET"}')]),
     ('{"name": "get_time", "arguments": 5}', '{"name": "get_time", "arguments": 5}', []),
+    # an integer Python will not convert (over 4300 digits): no ValueError, the call ends there
+    ('{"name": "get_time", "arguments": {"a": ' + "9" * 5000 + "}}", "9" * 5000 + "}}", [("get_time", '{"a": ')]),
     # nested past MAX_DEPTH: no recursion error, the call ends where the depth runs out
     ('{"name": "get_time", "arguments": {"a": ' + "[" * 150 + "]" * 150 + "}}", "[" * 51 + "]" * 150 + "}}",
      [("get_time", '{"a": ' + "[" * 99)]),

@@ -442,17 +442,20 @@ class ToolCallParser:
             word += char
         if word in LITERALS:
             out(word)
-        elif NUMBER.fullmatch(word):
+            return
+        try:
+            if not NUMBER.fullmatch(word):
+                raise ValueError(word)
             out(json.dumps(json.loads(word)))
-        else:
+        except ValueError:  # not a number, or one Python will not convert (an integer of over 4300 digits)
             self._pos = start  # the break is where the word begins
-            raise _NotACall
+            raise _NotACall from None
 
 
 def tag_token_ids(tokenizer) -> tuple[int, int] | None:
     """The ids of `<tool_call>` and `</tool_call>` where the vocabulary has each as one token (Qwen2.5's does)."""
     ids = []
-    for tag in (START_TAG, "</tool_call>"):
+    for tag in (START_TAG, END_TAG):
         token_id = tokenizer.convert_tokens_to_ids(tag)
         if not isinstance(token_id, int) or token_id == tokenizer.unk_token_id or tokenizer.decode([token_id]) != tag:
             return None
