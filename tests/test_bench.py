@@ -48,6 +48,18 @@ def test_bench_commands_print_one_json_line(tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_bench_structured_prints_both_runs_and_the_compile_times(tmp_path, capsys):
+    path = save_hf_dir(tiny_hf_model(seed=65), str(tmp_path / "m"))
+    assert main(["bench", "structured", "--model", path, "--dtype", "float32", "--kv-cache-memory", "8MiB",
+                 "--batch", "2", "--max-tokens", "4", "--rounds", "1", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["batch"] == 2 and result["compile_cold_ms"] > 0 and result["compile_cached_ms"] > 0
+    for t in ("t0", "t1"):
+        assert result[f"tpot_unconstrained_ms_{t}"] > 0 and result[f"tpot_json_schema_ms_{t}"] > 0
+        assert result[f"ratio_{t}"] > 0 and len(result[f"rounds_json_schema_ms_{t}"]) == 1
+
+
+@pytest.mark.slow
 def test_bench_ppl_is_the_perplexity_of_the_served_path(tmp_path, capsys):
     """bench ppl's figure equals exp(mean NLL) computed from the model's own logits over the same sliding
     windows, every token after the first scored exactly once; and it runs on the default shipped text."""

@@ -204,6 +204,20 @@ def test_n_samples_each_follow_the_grammar(llm):
     assert len({c.text for c in outs[0]}) > 1
 
 
+class Untouchable:
+    """A step's batch that fails the test if anything reads it."""
+    def __getattr__(self, name):
+        raise AssertionError(f"the unconstrained batch was walked ({name})")
+
+
+def test_no_live_constraint_means_the_batch_is_never_walked(llm):
+    manager = llm.engine.structured_output
+    assert not manager._matchers
+    manager.attach_bitmask(Untouchable())
+    assert manager.advance(Untouchable()) == (set(), {})
+    manager.release(Untouchable())
+
+
 def test_unconstrained_neighbour_gives_the_same_greedy_output(llm):
     plain = {"prompt_token_ids": list(range(20, 45))}
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

@@ -1,10 +1,17 @@
-"""The Hermes tool-call parser (Qwen2.5's `<tool_call>` blocks and the model's usual slips), its streaming form,
-and the grammar that forces calls: no stubs, plain text in and out."""
+"""The Hermes tool-call parser (Qwen2.5's `<tool_call>` blocks and the model's usual slips), whole and streamed
+piece by piece, and the grammar that forces calls: no stubs, plain text in and out."""
 import json
+import random
 
 import pytest
 
-from qwenserve.entrypoints.openai.tool_calls import ToolCallStream, forced_call_grammar, parse_tool_calls
+from qwenserve.entrypoints.openai.protocol import ChatCompletionRequest
+from qwenserve.entrypoints.openai.tool_calls import (
+    ToolCallDelta,
+    ToolCallParser,
+    forced_call_grammar,
+    parse_tool_calls,
+)
 from qwenserve.sample.grammar import check_constraint
 from qwenserve.sample.structured_outputs import StructuredOutputsParams
 
@@ -42,24 +49,141 @@ def test_parser_takes_the_format_and_the_usual_slips_and_never_raises(text, cont
     assert calls(text) == (content, expected)
 
 
-@pytest.mark.parametrize("text", [
+@pytest.mark.parametrize("text, content, expected", [
+    # cut inside the arguments (max_tokens): the call stays, with what was written, as OpenAI's does
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa', None, [("get_weather", '{"city": "Pa')]),
+    # cut before the call is certain: text
+    ('<tool_call>\n{"name": "get_wea', '<tool_call>\n{"name": "get_wea', []),
+    # JSON that breaks inside a call already sent: the call ends there, the rest is text
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": Paris}}\n</tool_call>',
+     "Paris}}\n</tool_call>", [("get_weather", '{"city": ')]),
+    (f"{WEATHER} Shall I?", "Shall I?", [("get_weather", json.dumps(PARIS[1]))]),  # text after bare JSON
+    (f"<tool_call>\n{WEATHER}\n<tool_call>\n{TIME}", None,  # a closing tag forgotten
+     [("get_weather", json.dumps(PARIS[1])), ("get_time", json.dumps(CET[1]))]),
+    ('{"name": "get_time"}', None, [("get_time", "{}")]),  # no arguments
+    ('{"name": "get_time", "parameters": {"zone": "CET"}, "id": 3}', None, [("get_time", '{"zone": "CET"}')]),
+    ('{"name": "get_time", "arguments": 5}', '{"name": "get_time", "arguments": 5}', []),
+    # an integer Python will not convert (over 4300 digits): no ValueError, the call ends there
+    ('{"name": "get_time", "arguments": {"a": ' + "9" * 5000 + "}}", "9" * 5000 + "}}", [("get_time", '{"a": ')]),
+    # nested past MAX_DEPTH: no recursion error, the call ends where the depth runs out
+    ('{"name": "get_time", "arguments": {"a": ' + "[" * 150 + "]" * 150 + "}}", "[" * 51 + "]" * 150 + "}}",
+     [("get_time", '{"a": ' + "[" * 99)]),
+])
+def test_what_a_call_is_where_the_answer_stops_or_breaks(text, content, expected):
+    found = parse_tool_calls(text, NAMES)
+    assert (found[0], [(c.name, c.arguments) for c in found[1]]) == (content, expected)
+
+
+def stream(text, step=1):
+    """text fed to a ToolCallParser step characters at a time: (the content sent, the calls put together from
+    their deltas as a client would, the deltas)."""
+    parser, events = ToolCallParser(NAMES), []
+    for i in range(0, len(text), step):
+        events += parser.feed(text[i:i + step])
+    events += parser.finish()
+    content = "".join(e for e in events if isinstance(e, str))
+    deltas = [e for e in events if isinstance(e, ToolCallDelta)]
+    calls = {}
+    for d in deltas:
+        if d.id is not None:
+            assert d.index == len(calls) and d.arguments == "", "a call's first delta: its id and name only"
+            calls[d.index] = {"id": d.id, "name": d.name, "arguments": ""}
+        else:
+            assert d.name is None and d.index in calls
+            calls[d.index]["arguments"] += d.arguments
+    return content, [calls[i] for i in range(len(calls))], deltas
+
+
+def whole(text):
+    content, found = parse_tool_calls(text, NAMES)
+    return content or "", [{"name": c.name, "arguments": c.arguments} for c in found]
+
+
+def assert_stream_equals_whole(text, step):
+    content, calls, _ = stream(text, step)
+    assert (content, [{k: c[k] for k in ("name", "arguments")} for c in calls]) == whole(text), (text, step)
+
+
+ANSWERS = [
     f"Let me check.\n<tool_call>\n{WEATHER}\n</tool_call>\n<tool_call>\n{TIME}\n</tool_call>",
     f"```json\n{WEATHER}\n```",
     WEATHER,
+    f"{WEATHER}\n{TIME}",
+    f"Sure:\n```\n[{WEATHER}, {TIME}]\n```\nDone.",
     "Plain text with a < sign and <tool but no call.",
     "  leading space, then a call <tool_call>\n" + WEATHER + "\n</tool_call> and text after",
     "{this looks like JSON but is not}",
-])
+    '<tool_call>\n{"arguments": {"zone": "CET"}, "name": "get_time"}\n</tool_call>',  # name after arguments
+    '{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}',  # arguments as JSON text
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa',  # cut inside the arguments
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": Paris}}\n</tool_call>',  # breaks after sent
+    f"<tool_call>\n{WEATHER}\n<tool_call>\n{TIME}\n</tool_call>",  # a closing tag forgotten
+    "```python\nprint({'a': 1})\n```",
+]
+
+
+@pytest.mark.parametrize("text", ANSWERS)
 @pytest.mark.parametrize("step", [1, 3, 7])
 def test_streamed_content_and_calls_equal_the_whole_answer(text, step):
-    stream = ToolCallStream(NAMES)
-    sent = "".join(stream.add(text[i:i + step]) for i in range(0, len(text), step))
-    rest, streamed_calls = stream.finish()
-    content, whole_calls = parse_tool_calls(text, NAMES)
-    assert sent + rest == (content or "")
-    assert [(c.name, c.arguments) for c in streamed_calls] == [(c.name, c.arguments) for c in whole_calls]
+    assert_stream_equals_whole(text, step)
     if "<tool_call>" in text and text.index("<tool_call>") > 20:
-        assert sent, "text before the call was held back"
+        assert stream(text, step)[0], "text before the call was held back"
+
+
+@pytest.mark.parametrize("text", ANSWERS)
+def test_every_prefix_streams_as_it_parses_whole(text):
+    """An answer may stop anywhere (max_tokens, a stop string): every prefix streamed equals it parsed whole."""
+    for end in range(len(text) + 1):
+        assert_stream_equals_whole(text[:end], 1)
+
+
+def test_text_before_a_call_streams_at_once_and_the_call_comes_in_pieces():
+    text = f"I will look it up.\n<tool_call>\n{WEATHER}\n</tool_call>"
+    parser, sent = ToolCallParser(NAMES), []
+    for i, char in enumerate(text):  # token by token, as a model writes it
+        sent.append((i, parser.feed(char)))
+    sent.append((len(text), parser.finish()))
+    content = "".join(e for _, events in sent for e in events if isinstance(e, str))
+    assert content == "I will look it up."
+    header = next(i for i, events in sent if any(isinstance(e, ToolCallDelta) for e in events))
+    assert header < text.index('{"city"') + 1, "the call was not sent as soon as its arguments opened"
+    pieces = [e.arguments for _, events in sent for e in events if isinstance(e, ToolCallDelta) and e.id is None]
+    assert len(pieces) > 10 and "".join(pieces) == '{"city": "Paris", "unit": "celsius"}'
+
+
+def test_two_calls_split_across_many_small_deltas():
+    text = f"<tool_call>\n{WEATHER}\n</tool_call>\n<tool_call>\n{TIME}\n</tool_call>"
+    rng = random.Random(0)
+    for _ in range(20):
+        cuts = sorted(rng.sample(range(1, len(text)), 40))
+        parser, events = ToolCallParser(NAMES), []
+        for a, b in zip([0] + cuts, cuts + [len(text)]):
+            events += parser.feed(text[a:b])
+        events += parser.finish()
+        assert not any(isinstance(e, str) for e in events)
+        deltas = [e for e in events if isinstance(e, ToolCallDelta)]
+        assert [(d.index, d.name) for d in deltas if d.id] == [(0, "get_weather"), (1, "get_time")]
+        indexes = [d.index for d in deltas]
+        assert indexes == sorted(indexes), "the second call began before the first ended"
+        for index, call in enumerate(parser.calls):
+            assert "".join(d.arguments for d in deltas if d.index == index) == call.arguments
+        assert [json.loads(c.arguments) for c in parser.calls] == [PARIS[1], CET[1]]
+
+
+@pytest.mark.parametrize("arguments", [
+    '{"city": "Paris", "unit": "celsius"}',
+    '{ "city" :"Paris" ,\n  "unit":"celsius" }',  # free whitespace
+    '{"n": [1, 2.50, -0, 1E3, 1e-2, 12345678901234567890, true, false, null], "empty": {}, "none": []}',
+    '{"s": "caf\\u00e9 \\ud83d\\ude00 \\"quoted\\" back\\\\slash \\/ tab\\t nl\\n", "ü": "日本"}',
+    '{"deep": {"a": [{"b": [[], [{}]]}]}}',
+])
+def test_arguments_are_the_canonical_json_of_what_was_written(arguments):
+    """Whole or streamed, a call's arguments are json.dumps of the model's arguments object, exactly."""
+    text = '<tool_call>\n{"name": "get_weather", "arguments": ' + arguments + '}\n</tool_call>'
+    expected = json.dumps(json.loads(arguments), ensure_ascii=False)
+    assert whole(text)[1] == [{"name": "get_weather", "arguments": expected}]
+    for step in (1, 2, 5):
+        assert stream(text, step)[1][0]["arguments"] == expected
 
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -69,4 +193,21 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 
 @pytest.mark.parametrize("only, parallel", [(None, True), (None, False), ("get_weather", False)])
 def test_forced_call_grammar_is_valid(only, parallel):
-    check_constraint(StructuredOutputsParams(grammar=forced_call_grammar(TOOLS, only, parallel)))
+    tools = [tool for tool in TOOLS if only is None or tool["function"]["name"] == only]
+    check_constraint(StructuredOutputsParams(grammar=forced_call_grammar(tools, parallel)))
+
+
+@pytest.mark.parametrize("tool_choice, forced", [
+    ("auto", None), ("none", None), ("required", ["get_weather", "get_time"]),
+    ({"type": "function", "function": {"name": "get_time"}}, ["get_time"])])
+def test_the_forced_call_grammar_is_built_from_the_tag_ids_given(tool_choice, forced):
+    """The server passes the tokenizer's tag ids to sampling_params; the request model keeps no state of its own."""
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=TOOLS, tool_choice=tool_choice)
+    assert body.forces_tool_calls == (forced is not None)
+    assert [t["function"]["name"] for t in body.forced_tools() or ()] == (forced or [])
+    constraint = body.sampling_params({}, tool_tag_ids=(151657, 151658)).structured_outputs
+    if forced is None:
+        assert constraint is None
+    else:
+        assert "<[151657]>" in constraint.grammar and "<[151658]>" in constraint.grammar
+        assert body.sampling_params({}).structured_outputs.grammar.count('"<tool_call>"') == 1  # no ids: the text

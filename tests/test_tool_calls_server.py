@@ -1,6 +1,7 @@
 """Tool calling through the OpenAI API on the bundled model (Qwen2.5-Coder-0.5B-Instruct), with the official
 openai client: a weather round trip (tools in, tool_calls out, the result back, a final answer), forced calls
-that always parse, streamed call deltas that reassemble to the whole answer's, and 400s that name the field."""
+that always parse, streamed calls whose arguments come in pieces that add up to the whole answer's, and 400s that
+name the field."""
 import json
 
 import httpx
@@ -46,7 +47,7 @@ def test_weather_round_trip(client, server, tool_choice):
 
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
-def test_forced_calls_always_parse_and_streamed_deltas_reassemble(client, tool_choice):
+def test_forced_calls_always_parse(client, tool_choice):
     kwargs = dict(model="qwen", messages=QUESTION, tools=[WEATHER, TIME], tool_choice=tool_choice, max_tokens=120,
                   parallel_tool_calls=False)
     for seed in range(4):  # sampled: the grammar, not luck, makes them parse
@@ -57,18 +58,33 @@ def test_forced_calls_always_parse_and_streamed_deltas_reassemble(client, tool_c
             assert isinstance(json.loads(call.function.arguments), dict)
         if isinstance(tool_choice, dict):
             assert {c.function.name for c in choice.message.tool_calls} == {"get_time"}
-    whole = client.chat.completions.create(temperature=0.0, **kwargs).choices[0]
-    streamed, finish_reason = {}, None
-    for chunk in client.chat.completions.create(temperature=0.0, stream=True, **kwargs):
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", "required", {"type": "function", "function": {"name": "get_time"}}])
+def test_streamed_call_arguments_come_in_pieces_that_add_up_to_the_whole_answers(client, tool_choice):
+    """Each call's first delta carries its index, id, type and name (arguments ""); its arguments follow in
+    pieces as they are generated, and put together they are the non-streamed answer's exactly."""
+    kwargs = dict(model="qwen", messages=QUESTION, tools=[WEATHER, TIME], tool_choice=tool_choice, max_tokens=120,
+                  parallel_tool_calls=False, temperature=0.0)
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    assert whole.finish_reason == "tool_calls" and len(whole.message.tool_calls) == 1, whole.message
+    calls, pieces, content, finish_reason = {}, 0, "", None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
         for c in chunk.choices:
             finish_reason = c.finish_reason or finish_reason
+            content += c.delta.content or ""
             for d in c.delta.tool_calls or ():
-                entry = streamed.setdefault(d.index, {"name": "", "arguments": ""})
-                entry["name"] += d.function.name or ""
-                entry["arguments"] += d.function.arguments or ""
-    assert finish_reason == "tool_calls"
-    assert [streamed[i] for i in sorted(streamed)] == [
+                if d.index not in calls:
+                    assert d.id and d.type == "function" and d.function.name and d.function.arguments == "", d
+                    calls[d.index] = {"id": d.id, "name": d.function.name, "arguments": ""}
+                else:
+                    assert d.id is None and not d.function.name, d
+                    calls[d.index]["arguments"] += d.function.arguments
+                    pieces += bool(d.function.arguments)
+    assert finish_reason == "tool_calls" and content == (whole.message.content or "")
+    assert [{"name": c["name"], "arguments": c["arguments"]} for c in calls.values()] == [
         {"name": c.function.name, "arguments": c.function.arguments} for c in whole.message.tool_calls]
+    assert len(whole.message.tool_calls[0].function.arguments) > 10 and pieces > 3, (pieces, calls)
 
 
 def test_tool_choice_none_answers_in_text(client):

@@ -60,7 +60,9 @@ class StructuredOutputManager:
 
     def attach_bitmask(self, scheduler_output: SchedulerOutput) -> None:
         """Fill the step's bitmask for its constrained sequences that take a token (those whose scheduled
-        tokens reach their last known token)."""
+        tokens reach their last known token). Nothing to walk while no constrained sequence is live."""
+        if not self._matchers:
+            return
         seq_ids = [seq_id for seq_id, n in scheduler_output.num_scheduled_tokens.items()
                    if seq_id in self._matchers
                    and self._seqs[seq_id].num_computed_tokens + n == self._seqs[seq_id].num_tokens]
@@ -72,6 +74,8 @@ class StructuredOutputManager:
         """Each constrained sequence's matcher consumes the token it took. Returns (the sequences whose grammar
         is now complete, the sequences whose matcher rejected its token or failed, with why)."""
         complete, broken = set(), {}
+        if not self._matchers:  # unconstrained serving: nothing to walk
+            return complete, broken
         for seq_id, token in zip(runner_output.seq_ids, runner_output.sampled_token_ids):
             matcher = self._matchers.get(seq_id)
             if matcher is None:
@@ -87,6 +91,8 @@ class StructuredOutputManager:
 
     def release(self, seqs: list[Sequence]) -> None:
         """Forget ended sequences' matchers."""
+        if not self._matchers:
+            return
         for seq in seqs:
             self._matchers.pop(seq.seq_id, None)
             self._seqs.pop(seq.seq_id, None)

@@ -1,5 +1,5 @@
 """`qwenserve bench ...`: measurements, never tests (throughput, latency, prefix, ppl, kernels, allreduce, load,
-serve), and the shaped models they time (shaped-gguf)."""
+serve, structured), and the shaped models they time (shaped-gguf)."""
 from __future__ import annotations
 
 import argparse
@@ -81,6 +81,16 @@ def register(sub) -> None:
     shaped.add_argument("--overwrite", action="store_true", help="replace an existing --output")
     shaped.add_argument("--json", action="store_true")
 
+    st = bench_sub.add_parser("structured", help="TPOT with every request under a JSON schema against unconstrained, "
+                                                 "and a typical schema's compile time")
+    add_engine_args(st)
+    st.add_argument("--batch", type=positive_int, default=32, help="requests at once (default: %(default)s)")
+    st.add_argument("--max-tokens", type=positive_int, default=64,
+                    help="tokens each request writes (default: %(default)s)")
+    st.add_argument("--rounds", type=positive_int, default=2,
+                    help="alternating runs of each, the median reported (default: %(default)s)")
+    st.add_argument("--json", action="store_true")
+
     srv = bench_sub.add_parser("serve", help="drive a running OpenAI-compatible server with streaming requests")
     srv.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (without /v1)")
     srv.add_argument("--num-prompts", type=positive_int, default=64)
@@ -136,6 +146,9 @@ def run(args: argparse.Namespace) -> int:
         if not args.output.endswith(".gguf"):
             raise ValueError(f"--output {args.output} must end in .gguf (the loaders know GGUF files by it)")
         result = write_shaped_gguf(SHAPES[args.shape], args.output, args.seed, args.tokenizer_gguf, args.overwrite)
+    elif args.bench_command == "structured":
+        from qwenserve.benchmarks.structured import bench_structured
+        result = bench_structured(engine_config_from_args(args), args.batch, args.max_tokens, args.rounds)
     elif args.bench_command == "ppl":
         from qwenserve.benchmarks.ppl import bench_ppl
         result = bench_ppl(engine_config_from_args(args), args.file, args.context, args.stride, args.agreement)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+from pydantic import BaseModel, ConfigDict, Field
 
 from qwenserve.config.errors import RequestError
 from qwenserve.entrypoints.openai.tool_calls import forced_call_grammar
@@ -61,10 +61,11 @@ class _SamplingFields(BaseModel):
         """The request field a complaint about the output constraint is reported against."""
         if self.response_format is not None and self.response_format.type != "text":
             return "response_format"
-        return "tool_choice" if self._tool_call_constraint() is not None else STRUCTURED_OUTPUTS
+        return "tool_choice" if self.forces_tool_calls else STRUCTURED_OUTPUTS
 
-    def _tool_call_constraint(self) -> StructuredOutputsParams | None:
-        return None  # only chat requests take tools
+    @property
+    def forces_tool_calls(self) -> bool:
+        return False  # only chat requests take tools
 
     def _response_format_constraint(self) -> StructuredOutputsParams | None:
         fmt = self.response_format
@@ -76,9 +77,10 @@ class _SamplingFields(BaseModel):
             raise RequestError("response_format of type json_schema needs its json_schema", param="response_format")
         return StructuredOutputsParams(json=fmt.json_schema.schema_)
 
-    def structured_outputs_params(self) -> StructuredOutputsParams | None:
-        """The output constraint, from response_format, structured_outputs or a forced tool call (only one: the
-        others would be dropped)."""
+    def structured_outputs_params(self, forced_calls: StructuredOutputsParams | None = None
+                                  ) -> StructuredOutputsParams | None:
+        """The output constraint, from response_format, structured_outputs or forced_calls, the grammar of a
+        forced tool call (only one: the others would be dropped)."""
         found = []
         try:
             from_format = self._response_format_constraint()
@@ -88,15 +90,15 @@ class _SamplingFields(BaseModel):
             found.append(("response_format", from_format))
         if self.structured_outputs is not None:
             found.append((STRUCTURED_OUTPUTS, StructuredOutputsParams.from_dict(self.structured_outputs)))
-        tool_call = self._tool_call_constraint()
-        if tool_call is not None:
-            found.append(("a forced tool_choice", tool_call))
+        if forced_calls is not None:
+            found.append(("a forced tool_choice", forced_calls))
         if len(found) > 1:
             raise RequestError(f"give {' or '.join(name for name, _ in found)}, not both: each constrains the output",
                                param=found[0][0].split()[-1])
         return found[0][1] if found else None
 
-    def _sampling(self, max_tokens: int | None, logprobs: int | None, defaults: dict) -> SamplingParams:
+    def _sampling(self, max_tokens: int | None, logprobs: int | None, defaults: dict,
+                  forced_calls: StructuredOutputsParams | None = None) -> SamplingParams:
         def pick(name: str, fallback):
             value = getattr(self, name)
             return value if value is not None else defaults.get(name, fallback)
@@ -108,7 +110,7 @@ class _SamplingFields(BaseModel):
             seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
-            structured_outputs=self.structured_outputs_params())
+            structured_outputs=self.structured_outputs_params(forced_calls))
 
 
 class CompletionRequest(_SamplingFields):
@@ -173,8 +175,6 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
-    # the vocabulary's tokens of <tool_call> and </tool_call>, set by the server: a forced call's grammar names them
-    _tool_tag_ids: tuple[int, int] | None = PrivateAttr(default=None)
 
     @property
     def tools_in_use(self) -> list[dict] | None:
@@ -183,8 +183,14 @@ class ChatCompletionRequest(_SamplingFields):
             return None
         return [tool.model_dump(exclude_none=True) for tool in self.tools]
 
-    def _tool_call_constraint(self) -> StructuredOutputsParams | None:
-        """The grammar of a call when tool_choice is "required" or names a function, so the answer always parses."""
+    @property
+    def forces_tool_calls(self) -> bool:
+        """tool_choice is "required" or names a function: the answer is held to a grammar of calls."""
+        return bool(self.tools) and (self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice))
+
+    def forced_tools(self) -> list[dict] | None:
+        """The tools one of which the answer must call ("required": any of them; a named function: that one),
+        or None when tool_choice forces no call. Checks tools and tool_choice (RequestError naming the field)."""
         if self.tool_choice is not None and not self.tools:
             raise RequestError("tool_choice needs tools to choose from", param="tool_choice")
         if not self.tools:
@@ -196,16 +202,21 @@ class ChatCompletionRequest(_SamplingFields):
         if only is not None and only not in names:
             raise RequestError(f"tool_choice names the function {only!r}, which is not among the tools "
                                f"({', '.join(names)})", param="tool_choice")
-        if only is None and self.tool_choice != "required":
+        if not self.forces_tool_calls:
             return None
-        return StructuredOutputsParams(grammar=forced_call_grammar(self.tools_in_use, only, self.parallel_tool_calls,
-                                                                   self._tool_tag_ids))
+        return [tool for tool in self.tools_in_use if only is None or tool["function"]["name"] == only]
 
-    def sampling_params(self, defaults: dict) -> SamplingParams:
+    def sampling_params(self, defaults: dict, tool_tag_ids: tuple[int, int] | None = None) -> SamplingParams:
+        """tool_tag_ids: the ids of the tokenizer's `<tool_call>` and `</tool_call>` tokens, which a forced call's
+        grammar names (tool_calls.tag_token_ids; the server knows the tokenizer, the request does not)."""
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
-        return self._sampling(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, defaults)
+        forced = self.forced_tools()
+        forced_calls = None if forced is None else StructuredOutputsParams(
+            grammar=forced_call_grammar(forced, self.parallel_tool_calls, tool_tag_ids))
+        return self._sampling(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, defaults,
+                              forced_calls)
 
 
 class TokenizeRequest(BaseModel):

@@ -15,7 +15,7 @@ from qwenserve.entrypoints.openai.serving_engine import (
     request_id,
     usage,
 )
-from qwenserve.entrypoints.openai.tool_calls import ToolCallStream, parse_tool_calls, tag_token_ids
+from qwenserve.entrypoints.openai.tool_calls import ToolCallParser, parse_tool_calls, tag_token_ids
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -27,8 +27,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create_chat_completion(self, body: ChatCompletionRequest, request: Request):
         model = self.models.model_name(body.model)
-        body._tool_tag_ids = self.tool_tag_ids
-        params = self._params(body)
+        params = self._params(body, tool_tag_ids=self.tool_tag_ids)
         tools = body.tools_in_use
         tool_names = {tool["function"]["name"] for tool in tools or ()}
         ids = chat_ids(self.tokenizer, body.messages, body.add_generation_prompt, tools)
@@ -59,10 +58,12 @@ class OpenAIServingChat(OpenAIServing):
                 "usage": usage([out])}
 
     def _delta_choices(self, n: int, top_k: int, tool_names: set[str], parallel_tool_calls: bool = True):
-        """The streamed choices of each output: its new text and the logprobs not sent yet. With tools, text that
-        may be a call is held until the answer ends; then come the rest of the text and each call whole."""
+        """The streamed choices of each output: its new text and the logprobs not sent yet. With tools, the text
+        goes through a ToolCallParser: text that may be a call is held until it is known, and a call comes as a
+        first delta with its id and name, then its arguments piece by piece as they are written."""
         sent_logprobs = [0] * n
-        calls = [ToolCallStream(tool_names) for _ in range(n)] if tool_names else None
+        parsers = [ToolCallParser(tool_names) for _ in range(n)] if tool_names else None
+        called = [False] * n
 
         def choices(_, out: RequestOutput):
             for comp in out.outputs:
@@ -71,24 +72,23 @@ class OpenAIServingChat(OpenAIServing):
                     full = self._logprobs(comp, top_k)["content"]
                     logprobs = {"content": full[sent_logprobs[comp.index]:]}
                     sent_logprobs[comp.index] = len(full)
-                text, finish_reason, tool_calls = comp.text_delta, comp.finish_reason, []
-                if calls is not None:
-                    text = calls[comp.index].add(comp.text_delta)
+                finish_reason = comp.finish_reason
+                if parsers is None:
+                    deltas = [{"content": comp.text_delta}] if comp.text_delta else []
+                else:
+                    events = parsers[comp.index].feed(comp.text_delta)
                     if comp.finished:
-                        rest, tool_calls = calls[comp.index].finish()
-                        tool_calls = tool_calls if parallel_tool_calls else tool_calls[:1]
-                        text += rest
-                        if tool_calls:
-                            finish_reason = _calls_finish_reason(finish_reason)
-                if not text and not comp.finished and logprobs is None:
-                    continue
-                delta = {"content": text} if text or not comp.finished else {}
-                if tool_calls:  # each call whole, in one chunk after the text
-                    if text:
-                        yield {"index": comp.index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
-                        logprobs = None
-                    delta = {"tool_calls": [{"index": i} | call.to_openai() for i, call in enumerate(tool_calls)]}
-                yield {"index": comp.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+                        events += parsers[comp.index].finish()
+                    deltas = _event_deltas(events, parallel_tool_calls)
+                    called[comp.index] |= any("tool_calls" in delta for delta in deltas)
+                    if called[comp.index]:
+                        finish_reason = _calls_finish_reason(finish_reason)
+                if not deltas and (comp.finished or logprobs is not None):
+                    deltas = [{} if comp.finished else {"content": ""}]
+                for i, delta in enumerate(deltas):
+                    last = i == len(deltas) - 1
+                    yield {"index": comp.index, "delta": delta, "logprobs": logprobs if i == 0 else None,
+                           "finish_reason": finish_reason if last else None}
 
         return choices
 
@@ -106,6 +106,18 @@ class OpenAIServingChat(OpenAIServing):
             content.append(item(token_id, entry[token_id].logprob)
                            | {"top_logprobs": [item(lp.token_id, lp.logprob) for lp in top]})
         return {"content": content}
+
+
+def _event_deltas(events: list, parallel_tool_calls: bool) -> list[dict]:
+    """The stream's deltas for a ToolCallParser's events, in order: text as content, call pieces as tool_calls
+    (only the first call when parallel_tool_calls is false, as the whole answer keeps)."""
+    deltas = []
+    for event in events:
+        if isinstance(event, str):
+            deltas.append({"content": event})
+        elif parallel_tool_calls or event.index == 0:
+            deltas.append({"tool_calls": [event.to_openai()]})
+    return deltas
 
 
 def _calls_finish_reason(finish_reason: str | None) -> str | None:

@@ -162,9 +162,11 @@ class OpenAIServing:
                     break
         return APIError(400, message, param=param)
 
-    def _params(self, body):
+    def _params(self, body, **known):
+        """The body's SamplingParams; known: what the endpoint knows that the body needs (chat: the tokenizer's
+        tool-call tag ids)."""
         try:
-            return body.sampling_params(self.defaults)
+            return body.sampling_params(self.defaults, **known)
         except ValueError as e:
             raise self._bad_request(e, body) from e
 
