@@ -10,6 +10,9 @@
 #include <vector>
 
 namespace qwenserve::cpu {
+// torch finds a custom class by its C++ type, and type names compare by their text: an inline namespace named after
+// the variant keeps each variant's class a type of its own when several variants load in one process (the tests)
+inline namespace QS_OPS_NAMESPACE {
 
 class DecodeLayers : public torch::CustomClassHolder {
  public:
@@ -56,4 +59,5 @@ class DecodeLayers : public torch::CustomClassHolder {
   std::vector<Layer> layers_;
 };
 
+}  // namespace QS_OPS_NAMESPACE
 }  // namespace qwenserve::cpu
