@@ -220,18 +220,50 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Serving PEFT LoRA adapters beside the base model, chosen per request (vLLM's flags)."""
+    enable_lora: bool = setting(False, "serve LoRA adapters chosen per request (LLM.generate(..., lora_request=...)) "
+                                       "(default: off)")
+    max_loras: int = setting(1, "distinct adapters in one batch at most; requests of others wait "
+                                "(default: %(default)s)", type=int)
+    max_lora_rank: int = setting(16, "the largest adapter rank (r) accepted; a larger one is a request error "
+                                     "(default: %(default)s)", type=int)
+    max_cpu_loras: int | None = setting(None, "adapters kept loaded in memory, least recently used evicted "
+                                              "(default: max_loras)", type=int)
+
+    def __post_init__(self):
+        if self.max_cpu_loras is None:
+            object.__setattr__(self, "max_cpu_loras", self.max_loras)
+        _check_positive(self, "max_loras", "max_lora_rank", "max_cpu_loras")
+        if self.max_cpu_loras < self.max_loras:
+            raise ConfigError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras}): "
+                              f"every adapter of a batch stays loaded")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     load: LoadConfig = field(default_factory=LoadConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     record_logits: bool = setting(False, "keep each sampled step's logits on the outputs (for compare and "
                                          "debugging; costly: full-vocabulary rows leave the worker)")
     # not a setting: what `load` resolves to, filled in once by the engine before its workers start (they read
     # the checkpoint, dtype, context length and quantization from here)
     resolved_model: ResolvedModel | None = None
 
-    SECTIONS = {"load": LoadConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig}
+    SECTIONS = {"load": LoadConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig,
+                "lora": LoRAConfig}
+
+    def __post_init__(self):
+        parallel = self.parallel
+        if self.lora.enable_lora and (parallel.world_size > 1 or parallel.data_parallel_size > 1):
+            # each worker would load its shard of every adapter; not built or tested yet
+            raise ConfigError(f"enable_lora runs in one process for now: tensor_parallel_size "
+                              f"{parallel.tensor_parallel_size}, pipeline_parallel_size "
+                              f"{parallel.pipeline_parallel_size} and data_parallel_size "
+                              f"{parallel.data_parallel_size} must all be 1")
 
     @classmethod
     def settings(cls) -> list[tuple[str | None, dataclasses.Field]]:
