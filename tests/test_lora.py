@@ -194,6 +194,31 @@ def test_max_loras_bounds_the_adapters_of_a_step(base, adapters):
     assert_no_blocks_held(llm)
 
 
+# ---- tensor and pipeline parallel: each rank runs its slice of every adapter ------------------------------------
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("tp,pp,kv_heads", [(2, 1, 2), (2, 1, 1), (1, 2, 2)])
+def test_parallel_layouts_match_peft(tmp_path, tp, pp, kv_heads):
+    """tp 2 slices B of q/k/v and gate/up by output rows (kv heads split, or one kv head replicated) and A of o and
+    down by input columns (their products join the all-reduce); pp 2 loads each stage's layers only."""
+    hf = tiny_hf_model(seed=12, num_attention_heads=4, num_key_value_heads=kv_heads)
+    path = save_hf_dir(hf, str(tmp_path / "base"))
+    requests, references = [], []
+    for i, name in enumerate(["all-rslora", "q-v-down"]):
+        adapter_path = str(tmp_path / name)
+        references.append(make_adapter(hf, adapter_path, seed=200 + i, **ADAPTERS[name]))
+        requests.append(LoRARequest(name, i + 1, adapter_path))
+    llm = LLM(path, dtype="float32", kv_cache_memory="4MiB", enable_lora=True, max_loras=2, max_lora_rank=8,
+              tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    try:
+        prompts = [prompt(9, seed=60), prompt(12, seed=61), prompt(7, seed=62)]
+        outs = run(llm, prompts, requests + [None])
+    finally:
+        llm.engine.shutdown()
+    for model, p, out in zip(references + [hf], prompts, outs):
+        assert out.token_ids == reference(model, p, GREEDY.max_tokens)[0]
+
+
 # ---- the LRU of loaded adapters ------------------------------------------------------------------------------
 
 def test_loaded_adapters_beyond_max_cpu_loras_are_evicted_least_recently_used(base, adapters):
@@ -371,8 +396,8 @@ def test_lora_settings_are_checked_and_are_flags():
         EngineConfig.from_kwargs(enable_lora=True, max_loras=4, max_cpu_loras=2)
     with pytest.raises(ConfigError, match="max_lora_rank"):
         EngineConfig.from_kwargs(enable_lora=True, max_lora_rank=0)
-    with pytest.raises(ConfigError, match="tensor_parallel_size"):
-        EngineConfig.from_kwargs(enable_lora=True, tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match="data_parallel_size"):
+        EngineConfig.from_kwargs(enable_lora=True, data_parallel_size=2)
     assert EngineConfig.from_kwargs(enable_lora=True, max_loras=3).lora.max_cpu_loras == 3
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

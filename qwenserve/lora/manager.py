@@ -70,8 +70,10 @@ class LoRAManager:
             return self.loaded[request.lora_int_id]
         adapter = load_adapter(request.lora_path, self.model_config, self.config.max_lora_rank)
         parts: dict[LoRALinear, dict] = {}
-        for (layer, module), weights in adapter.weights.items():
-            wrapper, shard_id = self.targets[(layer, module)]
+        for key, weights in adapter.weights.items():
+            if key not in self.targets:
+                continue  # a layer of another pipeline stage
+            wrapper, shard_id = self.targets[key]
             parts.setdefault(wrapper, {})[shard_id] = weights
         prepared = {w: w.prepare(p, adapter.config.scaling, self.dtype, self.device) for w, p in parts.items()}
         while len(self.loaded) >= self.config.max_cpu_loras:
