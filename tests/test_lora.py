@@ -117,6 +117,21 @@ def test_bin_adapter_equals_safetensors(llm, base, adapters, tmp_path):
     assert out.token_ids == run(llm, [ids], adapters["attn"][0])[0].token_ids
 
 
+def test_bfloat16_adapter_stays_close_to_peft(base, adapters):
+    """In bf16 (oneDNN-packed base weights on the CPU, adapter weights in bf16) the adapter is applied and the
+    logits stay near PEFT's float32 ones."""
+    llm = LLM(base[1], dtype="bfloat16", kv_cache_memory="4MiB", record_logits=True, enable_lora=True,
+              max_lora_rank=8)
+    request, peft_model = adapters["all-rslora"]
+    ids = prompt(20, seed=12)
+    params = SamplingParams(temperature=0, max_tokens=1)
+    got = run(llm, [ids], request, params)[0].logits[0]
+    expected = reference(peft_model, ids, 1)[1][0]
+    without = reference(base[0], ids, 1)[1][0]
+    assert (got - expected).abs().max() < 0.05 * expected.abs().max()
+    assert (got - expected).abs().max() < 0.2 * (without - expected).abs().max()
+
+
 def test_long_prompt_runs_the_mlp_in_parts(llm, adapters):
     """A prompt longer than the MLP's rows per pass splits the adapter's rows with it."""
     request, peft_model = adapters["all-rslora"]
