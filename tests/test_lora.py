@@ -99,7 +99,9 @@ def test_greedy_tokens_and_logits_match_peft(llm, adapters, base, name):
     request, peft_model = adapters[name]
     ids = prompt(13, seed=len(name))
     expected_tokens, expected_logits = reference(peft_model, ids, GREEDY.max_tokens)
-    out, = run(llm, [ids], request)
+    result, = llm.generate([{"prompt_token_ids": ids}], GREEDY, use_tqdm=False, lora_request=request)
+    assert result.lora_request == request
+    out = result.outputs[0]
     assert out.token_ids == expected_tokens
     torch.testing.assert_close(torch.stack(out.logits), expected_logits, atol=1e-4, rtol=0)
     base_tokens, base_logits = reference(base[0], ids, GREEDY.max_tokens)
