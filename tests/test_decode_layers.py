@@ -2,21 +2,27 @@
 (model/layers/decode_layers.py), which calls the kernels the layer modules call, in their order. Checked against
 enforce_eager (the modules one by one) on a tiny random GGUF model: the same tokens and the same log-probabilities
 to the bit, in bf16 and float32, with sequences of different lengths decoding side by side; the call is taken for
-decode steps, never for prefill, and not where some part of a layer has no kernel."""
+decode steps, never for prefill or under a LoRA adapter, and not where some part of a layer has no kernel."""
+import peft
 import pytest
+import torch
 from helpers import save_gguf, tiny_hf_model
 
-from qwenserve import LLM, SamplingParams
+from qwenserve import LLM, LoRARequest, SamplingParams
 from qwenserve.model.layers.decode_layers import FusedDecodeLayers
 
 PROMPTS = ["abc", "hello there, this prompt is longer than the others", "x = [1, 2, 3]\nprint(x)"]
 
 
 @pytest.fixture(scope="module")
-def gguf_path(tmp_path_factory):
-    hf = tiny_hf_model(seed=7, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96)
+def hf_model():
+    return tiny_hf_model(seed=7, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96)
+
+
+@pytest.fixture(scope="module")
+def gguf_path(hf_model, tmp_path_factory):
     # llama.cpp's Q4_K_M mix for 32-weight types: more bits for v and down
-    return save_gguf(hf, str(tmp_path_factory.mktemp("d") / "tiny.gguf"), "Q5_0",
+    return save_gguf(hf_model, str(tmp_path_factory.mktemp("d") / "tiny.gguf"), "Q5_0",
                      {"v_proj": "Q8_0", "down_proj": "Q8_0", "lm_head": "Q8_0"})
 
 
@@ -34,10 +40,10 @@ def fused_steps(monkeypatch):
     return steps
 
 
-def generate(path, dtype, enforce_eager, **engine):
+def generate(path, dtype, enforce_eager, lora_request=None, **engine):
     llm = LLM(model=path, dtype=dtype, enforce_eager=enforce_eager, max_model_len=256, **engine)
     params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=3, ignore_eos=True)
-    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False, lora_request=lora_request)
     return [(list(o.outputs[0].token_ids), [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs])
             for o in outs]
 
@@ -60,3 +66,22 @@ def test_parts_without_a_kernel_run_the_modules(ops, gguf_path, fused_steps):
         taken = generate(gguf_path, "bfloat16", enforce_eager=False, **engine)
         assert not any(fused_steps), engine
         assert taken == generate(gguf_path, "bfloat16", enforce_eager=True, **engine)
+
+
+def test_steps_with_an_adapter_run_the_modules(ops, hf_model, gguf_path, fused_steps, tmp_path):
+    """With LoRA enabled, decode steps of base-model requests alone still take the one call; a step with an
+    adapter's request runs the modules (the call knows nothing of adapters); the answers equal enforce_eager's."""
+    import copy
+    torch.manual_seed(3)
+    adapter = peft.get_peft_model(copy.deepcopy(hf_model), peft.LoraConfig(
+        r=4, lora_alpha=8, init_lora_weights=False, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"]))
+    adapter.save_pretrained(str(tmp_path))
+    lora = LoRARequest("a", 1, str(tmp_path))
+    engine = dict(enable_lora=True, max_lora_rank=4)
+    base_only = generate(gguf_path, "float32", enforce_eager=False, **engine)
+    assert max(fused_steps) == len(PROMPTS)
+    fused_steps.clear()
+    mixed = generate(gguf_path, "float32", enforce_eager=False, lora_request=[lora, None, None], **engine)
+    assert not any(fused_steps)
+    assert mixed[1:] == base_only[1:] and mixed[0] != base_only[0]
+    assert mixed == generate(gguf_path, "float32", enforce_eager=True, lora_request=[lora, None, None], **engine)

@@ -3,7 +3,8 @@ scheduler never leak or double-free a block, keep the worker's view of every blo
 SchedulerOutput deltas only) equal to the scheduler's, keep reference counts equal to the live block tables, and
 leave every block free or cached when nothing is live, and touch no more distinct blocks (the cache's resident
 memory) than the peak in use allows. No model runs: a step 'computes' what it scheduled. With two steps in
-flight (pipeline parallel), no sequence is in both, and none in flight is preempted."""
+flight (pipeline parallel), no sequence is in both, and none in flight is preempted. With LoRA adapters, the
+running sequences never use more than max_loras of them, and requests waiting for a slot still finish."""
 import random
 from collections import deque
 
@@ -16,12 +17,15 @@ from qwenserve.core.kv_cache_manager import KVCacheManager
 from qwenserve.core.request import Sequence, Status
 from qwenserve.core.scheduler import Scheduler
 from qwenserve.core.step import ModelRunnerOutput
+from qwenserve.lora.request import LoRARequest
 from qwenserve.sample.sampling_params import SamplingParams
 
 BLOCK = 4
 PIPELINED_STEP_TOKENS = SchedulerConfig().pipelined_step_tokens
 
-add = st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 24), st.integers(0, 3), st.integers(1, 3))
+# add: prompt length, max_tokens, shared-prefix kind, n, adapter (0: the base model)
+add = st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 24), st.integers(0, 3), st.integers(1, 3),
+                st.integers(0, 3))
 op = st.one_of(
     add, add,
     st.tuples(st.just("step")),
@@ -34,9 +38,10 @@ class Harness:
     """The scheduler and KV manager driven through their step contract, with a fake worker that keeps block
     tables from the SchedulerOutput deltas alone (as the real one does) and samples random tokens."""
 
-    def __init__(self, num_blocks, budget, max_seqs, prefix_caching, concurrent=1):
+    def __init__(self, num_blocks, budget, max_seqs, prefix_caching, concurrent=1, max_loras=None):
         self.kv = KVCacheManager(num_blocks, BLOCK, prefix_caching)
-        self.sched = Scheduler(self.kv, max_seqs, budget, concurrent, PIPELINED_STEP_TOKENS)
+        self.sched = Scheduler(self.kv, max_seqs, budget, concurrent, PIPELINED_STEP_TOKENS, max_loras)
+        self.worker_adapters: dict[int, LoRARequest | None] = {}
         self.requests: dict[str, list[Sequence]] = {}
         self.worker_tables: dict[int, list[int]] = {}
         self.worker_tokens: dict[int, list[int]] = {}
@@ -56,7 +61,7 @@ class Harness:
     def live(self):
         return [s for seqs in self.requests.values() for s in seqs if not s.finished]
 
-    def add(self, prompt_len, max_tokens, prefix_kind, n):
+    def add(self, prompt_len, max_tokens, prefix_kind, n, adapter=0):
         # a few shared prefixes make prefix-cache hits likely
         prefix = [prefix_kind] * (prompt_len - 3) if prefix_kind else []
         prompt = (prefix + [self.rng.randrange(50) for _ in range(prompt_len)])[:prompt_len]
@@ -65,7 +70,9 @@ class Harness:
         rid = str(self.ids)
         self.ids += 1
         params = SamplingParams(max_tokens=max_tokens, n=n)
-        seqs = [Sequence(self.ids * 10 + i, rid, i, list(prompt), prompt_len, params) for i in range(n)]
+        lora = LoRARequest(f"a{adapter}", adapter, f"/adapters/{adapter}") if adapter else None
+        seqs = [Sequence(self.ids * 10 + i, rid, i, list(prompt), prompt_len, params, lora_request=lora,
+                         cache_salt=lora.cache_salt if lora else b"") for i in range(n)]
         seqs[0].fork_children = seqs[1:]
         self.requests[rid] = seqs
         self.sched.add(seqs[0])
@@ -99,10 +106,12 @@ class Harness:
         for seq_id in out.finished_seq_ids:
             del self.worker_tables[seq_id]
             del self.worker_tokens[seq_id]
+            del self.worker_adapters[seq_id]
         for new in out.new_seqs:
             assert new.seq_id not in self.worker_tables
             self.worker_tables[new.seq_id] = list(new.block_ids)
             self.worker_tokens[new.seq_id] = list(new.token_ids)
+            self.worker_adapters[new.seq_id] = new.lora_request
         for cached in out.cached_seqs:
             table = self.worker_tables[cached.seq_id]
             self.resumptions += cached.resumed_from_preemption
@@ -120,8 +129,12 @@ class Harness:
             assert len(seq.block_table) * BLOCK >= seq.num_computed_tokens + n
             assert self.worker_tables[seq_id] == seq.block_table, "the worker's block table drifted"
             assert self.worker_tokens[seq_id] == seq.token_ids, "the worker's tokens drifted"
+            assert self.worker_adapters[seq_id] == seq.lora_request
             if seq.num_computed_tokens + n == seq.num_tokens:
                 sampling.append(seq_id)
+        if self.sched.max_loras is not None:
+            adapters = {s.lora_int_id for s in self.sched.running if s.lora_request is not None}
+            assert len(adapters) <= self.sched.max_loras, f"running sequences use adapters {adapters}"
         return sampling
 
     def end(self, index):
@@ -154,12 +167,14 @@ class Harness:
 # two samples that cannot fit together, two steps in flight: they used to preempt each other in turn forever
 @pytest.mark.slow
 @example(ops=[("step",)] * 9 + [("add", 1, 7, 0, 1)] + [("step",)] * 3 + [("add", 20, 6, 0, 2)], num_blocks=9,
-         budget=10, max_seqs=2, prefix_caching=False, concurrent=2)
+         budget=10, max_seqs=2, prefix_caching=False, concurrent=2, max_loras=None)
 @settings(max_examples=200, deadline=None)
 @given(ops=st.lists(op, min_size=15, max_size=60), num_blocks=st.integers(8, 24), budget=st.integers(1, 48),
-       max_seqs=st.integers(2, 6), prefix_caching=st.booleans(), concurrent=st.sampled_from([1, 2]))
-def test_random_operations_keep_blocks_consistent(ops, num_blocks, budget, max_seqs, prefix_caching, concurrent):
-    h = Harness(num_blocks, budget, max_seqs, prefix_caching, concurrent)
+       max_seqs=st.integers(2, 6), prefix_caching=st.booleans(), concurrent=st.sampled_from([1, 2]),
+       max_loras=st.sampled_from([None, 1, 2]))
+def test_random_operations_keep_blocks_consistent(ops, num_blocks, budget, max_seqs, prefix_caching, concurrent,
+                                                  max_loras):
+    h = Harness(num_blocks, budget, max_seqs, prefix_caching, concurrent, max_loras)
     for o in ops:
         if o[0] == "add":
             h.add(*o[1:])

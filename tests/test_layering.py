@@ -2,8 +2,8 @@
 included, so a lazy import cannot hide a dependency:
 - imports only go down the layers of the data path: a module may import its own sub-package and those below
   it, never one above;
-- core (the scheduler and its step types) imports no model code and, from sample/, only plain data types:
-  no sample/ module core imports reaches torch;
+- core (the scheduler and its step types) imports no model code and, from sample/ and lora/, only plain data
+  types: no sample/ or lora/ module core imports reaches torch;
 - only config/ and entrypoints/ read the environment: everything below receives its settings in the config."""
 import ast
 from pathlib import Path
@@ -18,7 +18,7 @@ LAYERS = [
     ("kernels",),
     ("distributed",),  # process groups and collectives: what the model layers call, not the model
     ("model",),
-    ("sample",),
+    ("sample", "lora"),  # lora: adapters over the model's layers; its request type is plain data core carries
     ("core",),
     ("worker",),
     ("executor",),
@@ -166,6 +166,8 @@ def test_the_checker_sees_upward_and_lazy_imports(tmp_path, monkeypatch):
 
 # torch-heavy layers the scheduler never needs: it plans steps over plain data
 CORE_MAY_NOT_IMPORT = ("kernels", "distributed", "model")
+# layers core may take only plain data types from (a request's sampling parameters, its LoRA adapter)
+PLAIN_DATA_ONLY = ("sample", "lora")
 
 
 def core_dependency_problems() -> list[str]:
@@ -175,7 +177,7 @@ def core_dependency_problems() -> list[str]:
             where = f"{path.relative_to(PACKAGE.parent)}:{line}"
             if sub_package(target) in CORE_MAY_NOT_IMPORT:
                 problems.append(f"{where} imports {target}")
-            elif sub_package(target) == "sample":
+            elif sub_package(target) in PLAIN_DATA_ONLY:
                 chain = path_to_torch(target, set())
                 if chain:
                     problems.append(f"{where} imports {target}, which reaches torch: " + "; ".join(chain))

@@ -224,18 +224,47 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Serving PEFT LoRA adapters beside the base model, chosen per request (vLLM's flags)."""
+    enable_lora: bool = setting(False, "serve LoRA adapters chosen per request (LLM.generate(..., lora_request=...)) "
+                                       "(default: off)")
+    max_loras: int = setting(1, "distinct adapters in one batch at most; requests of others wait "
+                                "(default: %(default)s)", type=int)
+    max_lora_rank: int = setting(16, "the largest adapter rank (r) accepted; a larger one is a request error "
+                                     "(default: %(default)s)", type=int)
+    max_cpu_loras: int | None = setting(None, "adapters kept loaded in memory, least recently used evicted "
+                                              "(default: max_loras)", type=int)
+
+    def __post_init__(self):
+        if self.max_cpu_loras is None:
+            object.__setattr__(self, "max_cpu_loras", self.max_loras)
+        _check_positive(self, "max_loras", "max_lora_rank", "max_cpu_loras")
+        if self.max_cpu_loras < self.max_loras:
+            raise ConfigError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras}): "
+                              f"every adapter of a batch stays loaded")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     load: LoadConfig = field(default_factory=LoadConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     record_logits: bool = setting(False, "keep each sampled step's logits on the outputs (for compare and "
                                          "debugging; costly: full-vocabulary rows leave the worker)")
     # not a setting: what `load` resolves to, filled in once by the engine before its workers start (they read
     # the checkpoint, dtype, context length and quantization from here)
     resolved_model: ResolvedModel | None = None
 
-    SECTIONS = {"load": LoadConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig}
+    SECTIONS = {"load": LoadConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig,
+                "lora": LoRAConfig}
+
+    def __post_init__(self):
+        if self.lora.enable_lora and self.parallel.data_parallel_size > 1:
+            # the router would have to check adapters and keep each adapter's prefixes apart; not built yet
+            raise ConfigError(f"enable_lora runs without data parallelism for now: data_parallel_size is "
+                              f"{self.parallel.data_parallel_size}, must be 1")
 
     @classmethod
     def settings(cls) -> list[tuple[str | None, dataclasses.Field]]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from qwenserve.lora.request import LoRARequest
 from qwenserve.sample.sampling_params import SamplingParams
 
 
@@ -23,7 +24,8 @@ class Sequence:
     token_ids: list[int]
     num_prompt_tokens: int
     params: SamplingParams
-    cache_salt: bytes = b""  # extra key in block hashes (e.g. an adapter id), empty for now
+    lora_request: LoRARequest | None = None  # the adapter it runs with; None: the base model
+    cache_salt: bytes = b""  # extra key in block hashes: the adapter's, so no block serves another adapter
     status: Status = Status.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
@@ -34,6 +36,11 @@ class Sequence:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     fork_children: list[Sequence] = field(default_factory=list)  # siblings waiting for this prompt's blocks
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id; 0 for the base model."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     @property
     def num_tokens(self) -> int:

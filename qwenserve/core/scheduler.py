@@ -24,11 +24,14 @@ from qwenserve.core.step import CachedSequenceData, ModelRunnerOutput, NewSequen
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_concurrent_batches: int = 1, pipelined_step_tokens: int | None = None):
+                 max_concurrent_batches: int = 1, pipelined_step_tokens: int | None = None,
+                 max_loras: int | None = None):
         """pipelined_step_tokens: with several steps in flight, the most tokens one step takes (SchedulerConfig's;
         a prefill step's first stage runs while the later ones wait for it and its last while the earlier ones
-        have nothing more, so smaller steps shorten that fill and drain); None: the whole budget."""
+        have nothing more, so smaller steps shorten that fill and drain); None: the whole budget.
+        max_loras: the most distinct adapters the running sequences may use (the worker's slots); None: no limit."""
         self.kv = kv
+        self.max_loras = max_loras
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.step_tokens = (max_num_batched_tokens if max_concurrent_batches == 1 or pipelined_step_tokens is None
@@ -84,8 +87,13 @@ class Scheduler:
                 i += 1
         if memory_tight:
             return out  # no admissions while memory is this tight
+        adapters = {seq.lora_int_id for seq in self.running if seq.lora_request is not None}
+        passed_over: list[Sequence] = []  # waiting for an adapter slot: they keep their place in the queue
         while self.waiting and budget > 0 and seats > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if not self._adapter_fits(seq, adapters):
+                passed_over.append(self.waiting.popleft())
+                continue
             cached = self.kv.find_cached_prefix(seq)
             n = min(seq.num_tokens - len(cached) * self.kv.block_size, budget)
             if not self.kv.allocate(seq, n, cached):
@@ -95,10 +103,18 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
+            if seq.lora_request is not None:
+                adapters.add(seq.lora_int_id)
             self._add_to_batch(out, seq, n)
             budget -= n
             seats -= 1
+        self.waiting.extendleft(reversed(passed_over))
         return out
+
+    def _adapter_fits(self, seq: Sequence, adapters: set[int]) -> bool:
+        """Whether seq may run beside the running sequences, which use `adapters`: a new adapter needs a free slot."""
+        return (seq.lora_request is None or self.max_loras is None or seq.lora_int_id in adapters
+                or len(adapters) < self.max_loras)
 
     def _batch_seats(self) -> int:
         """Sequences this step may take: all it can, or with several steps in flight an equal share of the
@@ -123,7 +139,7 @@ class Scheduler:
         sent = self._blocks_sent.get(seq.seq_id)
         if sent is None:
             out.new_seqs.append(NewSequenceData(seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens, seq.params,
-                                                list(seq.block_table), seq.num_computed_tokens))
+                                                list(seq.block_table), seq.num_computed_tokens, seq.lora_request))
         else:
             # 0 blocks sent happens only after a preemption (a scheduled sequence always holds a block)
             out.cached_seqs.append(CachedSequenceData(seq.seq_id, seq.block_table[sent:], seq.num_computed_tokens,

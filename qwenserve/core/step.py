@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from qwenserve.lora.request import LoRARequest
 from qwenserve.sample.logprob import Logprob
 from qwenserve.sample.sampling_params import SamplingParams
 
@@ -26,6 +27,7 @@ class NewSequenceData:
     params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int  # tokens already in the cache (prefix hits, blocks shared with a sibling)
+    lora_request: LoRARequest | None = None  # the adapter it runs with (the worker loads it); None: the base model
 
 
 @dataclass

@@ -79,12 +79,14 @@ class DataParallelEngine:
     # ---- requests -------------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, lora_request=None) -> None:
+        """lora_request: refused (LoRA runs without data parallelism for now), as an engine without
+        enable_lora refuses it."""
         if request_id in self._owner:
             raise RequestError(f"request id {request_id!r} is already in use")
         if not any(self.alive):
             raise ExecutorDeadError("every data-parallel replica has stopped")
-        request = self.input_processor.process(prompt, params or SamplingParams())
+        request = self.input_processor.process(prompt, params or SamplingParams(), lora_request)
         prefixes = self._prefix_hashes(request.prompt_token_ids)
         rank = self._route(prefixes)
         self.replicas[rank].add_processed_request(request_id, request, arrival_time)

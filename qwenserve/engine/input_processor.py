@@ -7,6 +7,9 @@ import dataclasses
 from dataclasses import dataclass
 
 from qwenserve.config.errors import RequestError
+from qwenserve.lora.peft import LoRAAdapterError
+from qwenserve.lora.registry import AdapterRegistry
+from qwenserve.lora.request import LoRARequest
 from qwenserve.sample.grammar import check_constraint
 from qwenserve.sample.sampling_params import SamplingParams
 
@@ -16,12 +19,15 @@ class ProcessedRequest:
     prompt: str | None  # the text, when the prompt came as text
     prompt_token_ids: list[int]
     params: SamplingParams  # max_tokens resolved, eos_token_ids filled in
+    lora_request: LoRARequest | None = None  # the adapter it runs with, checked; None: the base model
 
 
 class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: frozenset[int],
-                 block_size: int, num_kv_blocks: int):
+                 block_size: int, num_kv_blocks: int, adapters: AdapterRegistry | None = None):
+        """adapters: the engine's LoRA adapters, with enable_lora; None: requests may not name one."""
         self.tokenizer = tokenizer
+        self.adapters = adapters
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
@@ -42,12 +48,28 @@ class InputProcessor:
         raise RequestError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}",
                            param="prompt")
 
-    def process(self, prompt: str | list[int] | dict, params: SamplingParams) -> ProcessedRequest:
+    def process(self, prompt: str | list[int] | dict, params: SamplingParams,
+                lora_request: LoRARequest | None = None) -> ProcessedRequest:
         text, ids = self.tokenize(prompt)
         self._check(ids, params)
+        self._check_adapter(lora_request)
         max_tokens = params.max_tokens or self.max_model_len - len(ids)
         params = dataclasses.replace(params, max_tokens=max_tokens, eos_token_ids=self.eos_token_ids)
-        return ProcessedRequest(text, ids, params)
+        return ProcessedRequest(text, ids, params, lora_request)
+
+    def _check_adapter(self, lora_request: LoRARequest | None) -> None:
+        if lora_request is None:
+            return
+        if not isinstance(lora_request, LoRARequest):
+            raise RequestError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}",
+                               param="lora_request")
+        if self.adapters is None:
+            raise RequestError(f"this request names LoRA adapter {lora_request.lora_name!r}, but the engine was "
+                               f"started without enable_lora", param="lora_request")
+        try:
+            self.adapters.check(lora_request)
+        except LoRAAdapterError as e:
+            raise RequestError(str(e), param="lora_request") from None
 
     def _check(self, ids: list[int], params: SamplingParams) -> None:
         if params.structured_outputs is not None:

@@ -23,6 +23,8 @@ from qwenserve.engine.structured_output import StructuredOutputManager
 from qwenserve.executor.abstract import Executor, ExecutorDeadError
 from qwenserve.executor.multiproc_executor import MultiprocExecutor
 from qwenserve.executor.uniproc_executor import UniProcExecutor
+from qwenserve.lora.registry import AdapterRegistry
+from qwenserve.lora.request import LoRARequest
 from qwenserve.model.loader.resolve import load_tokenizer, resolve_model
 from qwenserve.sample.grammar import GrammarCompiler
 from qwenserve.sample.sampling_params import SamplingParams
@@ -77,12 +79,16 @@ class LLMEngine:
                     "pages touched as blocks are first used, so resident memory grows with the traffic",
                     self.weights_bytes, self.weights_bytes / GiB, self.kv.num_blocks, self.kv.reserved_bytes,
                     self.kv.reserved_bytes / GiB)
+        lora = config.lora
         self.scheduler = Scheduler(self.kv, config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
-                                   self.executor.max_concurrent_batches, config.scheduler.pipelined_step_tokens)
+                                   self.executor.max_concurrent_batches, config.scheduler.pipelined_step_tokens,
+                                   lora.max_loras if lora.enable_lora else None)
         self._in_flight: deque[SchedulerOutput] = deque()  # submitted steps, oldest first
         eos_token_ids = frozenset(resolved.stop_token_ids(self.tokenizer))
+        self.adapters = AdapterRegistry(resolved.config, lora.max_lora_rank) if lora.enable_lora else None
         self.input_processor = InputProcessor(self.tokenizer, resolved.config.vocab_size, self.max_model_len,
-                                              eos_token_ids, config.cache.block_size, self.kv.num_blocks)
+                                              eos_token_ids, config.cache.block_size, self.kv.num_blocks,
+                                              self.adapters)
         self.structured_output = StructuredOutputManager(
             GrammarCompiler(self.tokenizer, resolved.config.vocab_size, eos_token_ids))
         self._request_failures: dict[str, Exception] = {}  # failed between steps; raised by the next finish_step
@@ -93,9 +99,10 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
-        self.add_processed_request(request_id, self.input_processor.process(prompt, params or SamplingParams()),
-                                   arrival_time)
+                    arrival_time: float | None = None, lora_request: LoRARequest | None = None) -> None:
+        """lora_request: the LoRA adapter to run with (enable_lora); None: the base model."""
+        self.add_processed_request(
+            request_id, self.input_processor.process(prompt, params or SamplingParams(), lora_request), arrival_time)
 
     def add_processed_request(self, request_id: str, request: ProcessedRequest,
                               arrival_time: float | None = None) -> None:
@@ -103,8 +110,10 @@ class LLMEngine:
         if request_id in self.output_processor.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         params = request.params
+        lora = request.lora_request
         seqs = [Sequence(next(self._seq_ids), request_id, i, list(request.prompt_token_ids),
-                         len(request.prompt_token_ids), params.child(i) if params.n > 1 else params)
+                         len(request.prompt_token_ids), params.child(i) if params.n > 1 else params,
+                         lora_request=lora, cache_salt=lora.cache_salt if lora is not None else b"")
                 for i in range(params.n)]
         seqs[0].fork_children = seqs[1:]  # siblings start from the first one's prompt blocks
         self.output_processor.add_request(request_id, request, seqs, arrival_time or time.time())

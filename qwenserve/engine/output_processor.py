@@ -159,4 +159,5 @@ class OutputProcessor:
             sample.emitted_text, sample.emitted_tokens = max(sample.emitted_text, len(visible)), len(outputs)
         request = req.request
         return RequestOutput(req.request_id, request.prompt, request.prompt_token_ids, req.prompt_logprobs,
-                             completions, req.finished, req.seqs[0].num_cached_tokens, req.metrics)
+                             completions, req.finished, req.seqs[0].num_cached_tokens, req.metrics,
+                             request.lora_request)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from qwenserve.lora.request import LoRARequest
 from qwenserve.sample.logprob import Logprob
 
 
@@ -42,3 +43,4 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int
     metrics: RequestMetrics
+    lora_request: LoRARequest | None = None  # the adapter it ran with; None: the base model

@@ -7,6 +7,7 @@ import time
 from qwenserve.config.engine_config import EngineConfig
 from qwenserve.engine.data_parallel import build_engine
 from qwenserve.engine.outputs import RequestOutput
+from qwenserve.lora.request import LoRARequest
 from qwenserve.model.loader.tokenizer import chat_prompt_ids
 from qwenserve.sample.sampling_params import SamplingParams
 
@@ -24,9 +25,11 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """prompts: a string, a {"prompt_token_ids": [...]} dict, or a list of them. One output per prompt,
-        in order."""
+        in order. lora_request: the LoRA adapter every prompt runs with, or one per prompt (None: the base
+        model); needs enable_lora."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -35,22 +38,26 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
-        return self._run(list(zip(prompts, params)), use_tqdm)
+        adapters = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(adapters) != len(prompts):
+            raise ValueError(f"got {len(adapters)} lora_requests for {len(prompts)} prompts")
+        return self._run(list(zip(prompts, params, adapters)), use_tqdm)
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """messages: one conversation (a list of {"role", "content"} dicts) or a list of conversations."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.get_tokenizer()
         prompts = [{"prompt_token_ids": chat_prompt_ids(tok, conv, add_generation_prompt)} for conv in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def _run(self, work: list, use_tqdm: bool) -> list[RequestOutput]:
         ids = []
         try:
-            for prompt, params in work:
+            for prompt, params, adapter in work:
                 ids.append(str(next(self._ids)))
-                self.engine.add_request(ids[-1], prompt, params)
+                self.engine.add_request(ids[-1], prompt, params, lora_request=adapter)
         except Exception:
             for rid in ids:  # a bad prompt aborts the whole call, leaving nothing behind in the engine
                 self.engine.abort_request(rid)

@@ -44,7 +44,10 @@ class CausalLM(Protocol):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
                 intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
         """input_ids and positions [T] of a flat batch -> hidden states [T, hidden_size] on the last pipeline
-        stage; on the others the pair of [T, hidden_size] tensors the next stage takes as `intermediate`."""
+        stage; on the others the pair of [T, hidden_size] tensors the next stage takes as `intermediate`.
+        attn_metadata.lora (the step's LoRA adapter batch, or None) goes as the second argument to every call of
+        a projection an adapter may target (q/k/v, o, gate/up, down; with LoRA on they are lora/layers.py's
+        wrappers); the model only passes it on."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [rows, vocab] for the rows of the last stage's hidden states that need them."""

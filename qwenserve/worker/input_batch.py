@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from qwenserve.core.step import SchedulerOutput
+from qwenserve.lora.request import LoRARequest
 from qwenserve.model.layers.attention import AttentionMetadata, DecodeGroup, PagedKVCache, PrefillSpan
 from qwenserve.sample.sampling_params import SamplingParams
 
@@ -24,6 +25,7 @@ class SequenceState:
     block_table: list[int]
     num_computed_tokens: int
     generator: torch.Generator | None = None  # the request's own RNG when seeded; survives preemption
+    lora_request: LoRARequest | None = None  # the adapter it runs with; None: the base model
 
     @property
     def num_output_tokens(self) -> int:
@@ -47,6 +49,8 @@ class ModelInputs:
     sample_rows: torch.Tensor  # rows whose logits pick each sampling sequence's next token
     sampling_seqs: list[SequenceState]  # sequences that reached their last known token: they take a new one
     prompt_chunks: list[PromptChunk] = field(default_factory=list)
+    # (first row, end row, adapter) of each sequence that runs with an adapter, for the step's LoRABatch
+    lora_spans: list[tuple[int, int, LoRARequest]] = field(default_factory=list)
 
 
 class InputBatch:
@@ -65,7 +69,8 @@ class InputBatch:
             p = new.params
             generator = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
             self.seqs[new.seq_id] = SequenceState(new.seq_id, list(new.token_ids), new.num_prompt_tokens, p,
-                                                  list(new.block_ids), new.num_computed_tokens, generator)
+                                                  list(new.block_ids), new.num_computed_tokens, generator,
+                                                  new.lora_request)
         for cached in scheduler_output.cached_seqs:
             seq = self.seqs[cached.seq_id]
             seq.token_ids.extend(cached.new_token_ids)
@@ -82,7 +87,7 @@ class InputBatch:
         bs = self.block_size
         ids, positions, slots = [], [], []
         decode_rows, decode_tables, decode_lens, prefills = [], [], [], []
-        sample_rows, sampling_seqs, prompt_chunks = [], [], []
+        sample_rows, sampling_seqs, prompt_chunks, lora_spans = [], [], [], []
         row = 0
         for seq_id, n in scheduler_output.num_scheduled_tokens.items():
             seq = self.seqs[seq_id]
@@ -103,12 +108,14 @@ class InputBatch:
                 sampling_seqs.append(seq)
             if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens:
                 prompt_chunks.append(PromptChunk(seq, row, start, min(end, seq.num_prompt_tokens) - start))
+            if seq.lora_request is not None:
+                lora_spans.append((row, row + n, seq.lora_request))
             row += n
 
         decode = self._decode_groups(decode_rows, decode_tables, decode_lens, row)
         metadata = AttentionMetadata(kv_cache, self._tensor(np.concatenate(slots)), decode, prefills)
         return ModelInputs(self._tensor(ids), self._tensor(np.concatenate(positions)), metadata,
-                           self._tensor(sample_rows), sampling_seqs, prompt_chunks)
+                           self._tensor(sample_rows), sampling_seqs, prompt_chunks, lora_spans)
 
     def _decode_groups(self, rows: list[int], tables: list[np.ndarray], lens: list[int], num_rows: int):
         """Decode tokens as batched attentions. The CPU kernel takes them all in one group, each sequence read at

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from qwenserve.core.step import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
+from qwenserve.lora.manager import LoRAManager
 from qwenserve.model.interface import CausalLM
 from qwenserve.model.layers.attention import AttentionMetadata, PagedKVCache, PrefillSpan, decode_kernel_available
 from qwenserve.sample.logprobs import top_logprobs
@@ -30,8 +31,10 @@ def full_logits(model: CausalLM, token_ids: list[int]) -> torch.Tensor:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_cache: PagedKVCache, device: torch.device | str = "cpu",
-                 record_logits: bool = False):
+                 record_logits: bool = False, lora_manager: LoRAManager | None = None):
+        """lora_manager: the model's adapters (its projections already wrapped), with enable_lora."""
         self.model = model
+        self.lora_manager = lora_manager
         self.kv_cache = kv_cache
         self.device = torch.device(device)
         self.input_batch = InputBatch(kv_cache.block_size, self.device, decode_kernel_available(self.device))
@@ -44,6 +47,10 @@ class ModelRunner:
         """Sampled tokens on the last pipeline stage; None on the others, which pass their activations on."""
         self.input_batch.update(scheduler_output)
         inputs = self.input_batch.prepare(scheduler_output, self.kv_cache)
+        if inputs.lora_spans:
+            if self.lora_manager is None:
+                raise RuntimeError("a sequence with a LoRA adapter reached a worker started without enable_lora")
+            inputs.attn_metadata.lora = self.lora_manager.batch(inputs.lora_spans)
         pp = self.model.pp
         intermediate = None
         if not pp.is_first:

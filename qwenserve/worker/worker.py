@@ -11,6 +11,7 @@ from qwenserve.config.engine_config import EngineConfig
 from qwenserve.config.errors import ConfigError
 from qwenserve.config.model_config import resolve_kv_cache_dtype
 from qwenserve.kernels import use_cpu_kernels
+from qwenserve.lora.manager import LoRAManager
 from qwenserve.core.step import ModelRunnerOutput, SchedulerOutput
 from qwenserve.distributed.groups import init_model_parallel
 from qwenserve.distributed.pipeline import PipelineParallel
@@ -47,6 +48,9 @@ class Worker:
         with use_cpu_kernels(config.load.cpu_kernels, config.load.cpu_isa, config.load.enforce_eager):
             self.model = load_model(resolved, self.device, tp, pp)
         self.max_model_len = resolved.max_model_len
+        # with LoRA on, every projection an adapter may target is wrapped now, before any adapter is loaded
+        self.lora_manager = (LoRAManager(self.model, resolved.config, config.lora) if config.lora.enable_lora
+                             else None)
         spec = self.model.kv_cache_spec()
         self._kv_shape = (spec.num_layers, config.cache.block_size, spec.num_kv_heads, spec.head_dim)
         self._kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype) or spec.dtype
@@ -79,7 +83,8 @@ class Worker:
         self.kv_cache = PagedKVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, self._kv_dtype,
                                      self.device)
         with use_cpu_kernels(self.config.load.cpu_kernels, self.config.load.cpu_isa):
-            self.model_runner = ModelRunner(self.model, self.kv_cache, self.device, self.config.record_logits)
+            self.model_runner = ModelRunner(self.model, self.kv_cache, self.device, self.config.record_logits,
+                                            self.lora_manager)
 
     @property
     def num_kv_blocks(self) -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import mmap
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -161,6 +162,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T]: the cache slot of each new token
     decode: list[DecodeGroup]
     prefills: list[PrefillSpan]
+    # which adapter each token runs with (lora/batch.py's LoRABatch), for the projections an adapter wraps; the
+    # model only passes it on. None when no token of the step has one: the base model then runs as it is
+    lora: Any = None
 
 
 def decode_kernel_available(device: torch.device | str) -> bool:

@@ -5,8 +5,9 @@ a batch-1 step of the bundled model: docs/performance.md, "Decode layers in one 
 
 It applies where every part of every layer has a kernel: block-quantized projections that take ggml_mm at the
 step's rows (every segment a kernel call, no input permutation), one tensor-parallel rank, a fixed rotary table, a
-KV cache in the run dtype, and a step of decode tokens only. Anything else runs the modules, as does every step
-under enforce_eager. The layers' names are vLLM's (input_layernorm, self_attn.qkv_proj, mlp.gate_up_proj, ...)."""
+KV cache in the run dtype, and a step of decode tokens only, none of them under a LoRA adapter. Anything else runs
+the modules, as does every step under enforce_eager. The layers' names are vLLM's (input_layernorm,
+self_attn.qkv_proj, mlp.gate_up_proj, ...)."""
 from __future__ import annotations
 
 import torch
@@ -19,10 +20,12 @@ _PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "m
 
 
 def _projection(layer: nn.Module, path: str) -> nn.Module:
+    """The linear layer at path; under a LoRA wrapper, the base layer it holds, which is all the wrapper runs in a
+    step without adapters (the only steps that fuse)."""
     module = layer
     for name in path.split("."):
         module = getattr(module, name)
-    return module
+    return getattr(module, "base", module)
 
 
 def _runs_on_kernel_calls(linear: nn.Module) -> bool:
@@ -64,7 +67,7 @@ class FusedDecodeLayers:
         attn = first.self_attn
         call = getattr(torch.classes, self._ops.name).DecodeLayers(
             attn.num_heads, attn.num_kv_heads, attn.head_dim, first.input_layernorm.eps, attn.attn.scale,
-            attn.qkv_proj.act_levels, attn.rotary_emb.cos_sin)
+            _projection(first, _PROJECTIONS[0]).act_levels, attn.rotary_emb.cos_sin)
         for layer in self._layers:
             i = layer.self_attn.attn.layer_idx
             call.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, cache.k[i], cache.v[i])
@@ -79,7 +82,7 @@ class FusedDecodeLayers:
     def call_for(self, attn_metadata: AttentionMetadata, rows: int):
         """The DecodeLayers object to run this step with, or None when the modules must run it."""
         md = attn_metadata
-        if md.prefills or len(md.decode) != 1 or md.decode[0].token_index is not None:
+        if md.prefills or len(md.decode) != 1 or md.decode[0].token_index is not None or md.lora is not None:
             return None
         if md.decode[0].context_lens is None or md.kv_cache.k_scales[0] is not None:
             return None

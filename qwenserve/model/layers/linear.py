@@ -102,7 +102,9 @@ class _ParallelLinear(nn.Module):
     def process_weights_after_loading(self) -> None:
         self.linear_method.process_weights_after_loading(self)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
+        """lora: the step's adapter batch (AttentionMetadata.lora); a plain layer is never adapted (with LoRA on,
+        lora/layers.py wraps every layer an adapter may target), so it takes no part in it."""
         return self.linear_method.apply(self, x, self.bias)
 
 
@@ -164,7 +166,7 @@ class RowParallelLinear(_ParallelLinear):
     def input_shard(self) -> tuple[int, int]:
         return self.tp.rank * self.input_size, self.input_size
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
         # the bias is added once, after the reduction
         y = self.linear_method.apply(self, x, None)
         y = self.tp.all_reduce(y)

@@ -52,8 +52,10 @@ class Qwen2Attention(nn.Module):
         self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, head_dim, scale=head_dim ** -0.5)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.rotary_emb.rotate_qkv(positions, self.qkv_proj(hidden), self.num_heads, self.num_kv_heads)
-        return self.o_proj(self.attn(q, k, v, attn_metadata))
+        lora = attn_metadata.lora
+        q, k, v = self.rotary_emb.rotate_qkv(positions, self.qkv_proj(hidden, lora), self.num_heads,
+                                             self.num_kv_heads)
+        return self.o_proj(self.attn(q, k, v, attn_metadata), lora)
 
 
 class Qwen2MLP(nn.Module):
@@ -66,15 +68,18 @@ class Qwen2MLP(nn.Module):
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, tp=tp,
                                            linear_method=linear_method)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
+        """lora: the step's adapter batch (AttentionMetadata.lora), or None."""
         if x.shape[0] > self.rows_per_pass:
             # large prompt batches in slices: the [rows, 2 * intermediate] activation then stays in cache
             # (docs/tuning.md, "MLP rows per pass")
-            return torch.cat([self._mlp(part) for part in x.split(self.rows_per_pass)])
-        return self._mlp(x)
+            n = self.rows_per_pass
+            return torch.cat([self._mlp(part, lora and lora.narrow(i * n, len(part)))
+                              for i, part in enumerate(x.split(n))])
+        return self._mlp(x, lora)
 
-    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+    def _mlp(self, x: torch.Tensor, lora) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x, lora)), lora)
 
 
 class Qwen2DecoderLayer(nn.Module):
@@ -94,7 +99,7 @@ class Qwen2DecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, attn_metadata)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.mlp(hidden, attn_metadata.lora), residual
 
 
 class MissingLayer(nn.Module):

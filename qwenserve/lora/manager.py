@@ -1,0 +1,124 @@
+"""The worker's adapters: which are loaded (up to max_cpu_loras, least recently used evicted), which sit in the
+batch's max_loras slots, and the LoRABatch of each step.
+
+At start every projection an adapter may target is wrapped (layers.LoRALinear), whatever adapters come later, so
+loading one never changes the model's modules. Loading reads the PEFT files, checks them against the base model
+(peft.py) and slices them for this rank; putting a loaded adapter in a slot only points each wrapper at its
+weights."""
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+
+import torch
+
+from qwenserve.config.engine_config import LoRAConfig
+from qwenserve.config.model_config import ModelConfig
+from qwenserve.lora.batch import LoRABatch
+from qwenserve.lora.layers import LoRALinear
+from qwenserve.lora.ops import LayerAdapter
+from qwenserve.lora.peft import TARGET_MODULES, load_adapter
+from qwenserve.lora.request import LoRARequest
+from qwenserve.model.interface import CausalLM
+
+logger = logging.getLogger(__name__)
+
+
+class LoRAManager:
+    def __init__(self, model: CausalLM, model_config: ModelConfig, config: LoRAConfig):
+        self.model_config = model_config
+        self.config = config
+        self.dtype, self.device = model.dtype, model.device
+        # (layer, checkpoint module e.g. "q_proj") -> (the wrapper of its (fused) layer, its shard id there)
+        self.targets: dict[tuple[int, str], tuple[LoRALinear, str | int | None]] = {}
+        self.wrappers: list[LoRALinear] = []
+        self._wrap(model)
+        # lora_int_id -> the adapter's weights per wrapper, least recently used first
+        self.loaded: OrderedDict[int, dict[LoRALinear, LayerAdapter]] = OrderedDict()
+        self.slot_ids: list[int | None] = [None] * config.max_loras  # lora_int_id in each slot
+        self._slot_use: OrderedDict[int, None] = OrderedDict()  # slots, least recently used first
+
+    def _wrap(self, model: CausalLM) -> None:
+        packed = model.packed_modules_mapping
+        wrapped: dict[str, LoRALinear] = {}
+        for layer in range(self.model_config.num_hidden_layers):
+            for module, block in TARGET_MODULES.items():
+                if model.checkpoint_target(f"model.layers.{layer}.{block}.{module}.weight") is None:
+                    continue  # another pipeline stage's layer
+                fused, shard_id = packed.get(module, (module, None))
+                path = f"model.layers.{layer}.{block}.{fused}"
+                if path not in wrapped:
+                    parent_path, _, child = path.rpartition(".")
+                    parent = model.get_submodule(parent_path)
+                    wrapped[path] = LoRALinear(getattr(parent, child), self.config.max_loras)
+                    setattr(parent, child, wrapped[path])
+                self.targets[(layer, module)] = (wrapped[path], shard_id)
+        self.wrappers = list(wrapped.values())
+
+    # ---- loaded adapters ------------------------------------------------------------------------------
+
+    @property
+    def loaded_ids(self) -> list[int]:
+        """The adapters in memory, least recently used first."""
+        return list(self.loaded)
+
+    def _load(self, request: LoRARequest, keep: set[int]) -> dict[LoRALinear, LayerAdapter]:
+        """The adapter's prepared weights, loaded now if not in memory (evicting the least recently used one that
+        is not in keep, the step's adapters)."""
+        if request.lora_int_id in self.loaded:
+            self.loaded.move_to_end(request.lora_int_id)
+            return self.loaded[request.lora_int_id]
+        adapter = load_adapter(request.lora_path, self.model_config, self.config.max_lora_rank)
+        parts: dict[LoRALinear, dict] = {}
+        for key, weights in adapter.weights.items():
+            if key not in self.targets:
+                continue  # a layer of another pipeline stage
+            wrapper, shard_id = self.targets[key]
+            parts.setdefault(wrapper, {})[shard_id] = weights
+        prepared = {w: w.prepare(p, adapter.config.scaling, self.dtype, self.device) for w, p in parts.items()}
+        while len(self.loaded) >= self.config.max_cpu_loras:
+            victim = next(i for i in self.loaded if i not in keep)  # exists: a step has at most max_loras < this
+            self._evict(victim)
+        self.loaded[request.lora_int_id] = prepared
+        logger.info("loaded LoRA adapter %r (id %d, r=%d) from %s", request.lora_name, request.lora_int_id,
+                    adapter.config.rank, request.lora_path)
+        return prepared
+
+    def _evict(self, lora_int_id: int) -> None:
+        del self.loaded[lora_int_id]
+        if lora_int_id in self.slot_ids:
+            self._fill_slot(self.slot_ids.index(lora_int_id), None, {})
+
+    def _fill_slot(self, slot: int, lora_int_id: int | None, weights: dict[LoRALinear, LayerAdapter]) -> None:
+        self.slot_ids[slot] = lora_int_id
+        for wrapper in self.wrappers:
+            wrapper.slots[slot] = weights.get(wrapper)
+
+    # ---- the step ---------------------------------------------------------------------------------------
+
+    def _slot_for(self, request: LoRARequest, keep: set[int]) -> int:
+        """The slot holding the adapter, put there now if needed (a free slot, else the least recently used one
+        whose adapter is not in the step)."""
+        lora_id = request.lora_int_id
+        weights = self._load(request, keep)
+        if lora_id in self.slot_ids:
+            slot = self.slot_ids.index(lora_id)
+        else:
+            free = [s for s, held in enumerate(self.slot_ids) if held is None]
+            slot = free[0] if free else next(s for s in self._slot_use if self.slot_ids[s] not in keep)
+            self._fill_slot(slot, lora_id, weights)
+        self._slot_use.pop(slot, None)
+        self._slot_use[slot] = None
+        return slot
+
+    def batch(self, spans: list[tuple[int, int, LoRARequest]]) -> LoRABatch | None:
+        """The step's LoRABatch from (first row, end row, adapter) of each sequence that runs with one; None when
+        none does."""
+        if not spans:
+            return None
+        requests = {r.lora_int_id: r for _, _, r in spans}
+        if len(requests) > self.config.max_loras:  # the scheduler keeps to max_loras: this is a bug, not a request
+            raise RuntimeError(f"a step with {len(requests)} adapters, above max_loras {self.config.max_loras}")
+        keep = set(requests)
+        slot_of = {lora_id: self._slot_for(r, keep) for lora_id, r in requests.items()}
+        return LoRABatch.from_spans([(s, e, slot_of[r.lora_int_id]) for s, e, r in spans], self.device)
