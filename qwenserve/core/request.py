@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from qwenserve.core.multimodal import ImageInput
 from qwenserve.sample.sampling_params import SamplingParams
 
 
@@ -24,6 +25,7 @@ class Sequence:
     num_prompt_tokens: int
     params: SamplingParams
     cache_salt: bytes = b""  # extra key in block hashes (e.g. an adapter id), empty for now
+    images: tuple[ImageInput, ...] = ()  # the prompt's images, in order: their hashes key the blocks they touch
     status: Status = Status.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission

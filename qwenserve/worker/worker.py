@@ -79,7 +79,8 @@ class Worker:
         self.kv_cache = PagedKVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, self._kv_dtype,
                                      self.device)
         with use_cpu_kernels(self.config.load.cpu_kernels, self.config.load.cpu_isa):
-            self.model_runner = ModelRunner(self.model, self.kv_cache, self.device, self.config.record_logits)
+            self.model_runner = ModelRunner(self.model, self.kv_cache, self.device, self.config.record_logits,
+                                            self.config.multimodal.encoder_cache_memory)
 
     @property
     def num_kv_blocks(self) -> int:

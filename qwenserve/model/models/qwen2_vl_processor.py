@@ -168,3 +168,47 @@ def to_rgb(image):
         image = image.convert("RGBA")
         return Image.alpha_composite(Image.new("RGBA", image.size, (255, 255, 255, 255)), image).convert("RGB")
     return image.convert("RGB")
+
+
+IMAGE_PART_TYPES = ("image_url", "image_pil", "image")
+
+
+def split_image_parts(messages: list[dict], placeholder: str | None) -> tuple[list[dict], list]:
+    """OpenAI-shaped chat messages whose content may be a list of parts ({"type": "text", "text": ...},
+    {"type": "image_url", "image_url": {"url": "data:..."}}, or {"type": "image_pil", "image_pil": <PIL image>})
+    -> messages with string content, each image part replaced by placeholder (the vision markers with one
+    <|image_pad|>, as Qwen2-VL's chat template writes it), and the images in order. placeholder None: the model is
+    text-only, and an image part is a RequestError."""
+    out, images = [], []
+    for m, message in enumerate(messages):
+        content = message.get("content")
+        if not isinstance(content, list):
+            out.append(message)
+            continue
+        text = []
+        for p, part in enumerate(content):
+            where = f"messages[{m}].content[{p}]"
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                text.append(part.get("text", ""))
+            elif kind in IMAGE_PART_TYPES:
+                if placeholder is None:
+                    raise RequestError(f"{where} is an image, but this model is text-only", param=where)
+                image = part.get(kind)
+                if kind == "image_url":
+                    image = image.get("url") if isinstance(image, dict) else image
+                if image is None:
+                    raise RequestError(f"{where} ({kind}) holds no image", param=where)
+                images.append(image)
+                text.append(placeholder)
+            else:
+                raise RequestError(f"{where} has type {kind!r}; supported: text, {', '.join(IMAGE_PART_TYPES)}",
+                                   param=where)
+        out.append({**message, "content": "".join(text)})
+    return out, images
+
+
+def image_placeholder(tokenizer, vision: VisionConfig) -> str:
+    """<|vision_start|><|image_pad|><|vision_end|> in this tokenizer's spelling."""
+    return "".join(tokenizer.convert_ids_to_tokens([vision.vision_start_token_id, vision.image_token_id,
+                                                     vision.vision_end_token_id]))
