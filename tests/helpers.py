@@ -33,21 +33,21 @@ def byte_alphabet() -> list[str]:
     return chars
 
 
-def tiny_vocab(vocab_size: int) -> tuple[list[str], list[int], list[str]]:
+def tiny_vocab(vocab_size: int, specials: list[str] = SPECIAL_TOKENS) -> tuple[list[str], list[int], list[str]]:
     """(tokens, llama.cpp token types, merges) for a byte-level BPE of `vocab_size` entries."""
     alphabet = byte_alphabet()
     merges = ["Ġ t", "h e", "Ġt he", "i n", "e r"]
     merged = [m.replace(" ", "") for m in merges]
-    tokens = alphabet + merged + SPECIAL_TOKENS
-    types = [1] * (len(alphabet) + len(merged)) + [3] * len(SPECIAL_TOKENS)
+    tokens = alphabet + merged + specials
+    types = [1] * (len(alphabet) + len(merged)) + [3] * len(specials)
     assert len(tokens) <= vocab_size
     pad = vocab_size - len(tokens)
     return tokens + [f"[PAD{i}]" for i in range(pad)], types + [5] * pad, merges
 
 
-def tiny_tokenizer(vocab_size: int):
+def tiny_tokenizer(vocab_size: int, specials: list[str] = SPECIAL_TOKENS):
     from qwenserve.model.loader.tokenizer import tokenizer_from_gguf
-    tokens, types, merges = tiny_vocab(vocab_size)
+    tokens, types, merges = tiny_vocab(vocab_size, specials)
     return tokenizer_from_gguf({
         "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2", "tokenizer.ggml.tokens": tokens,
         "tokenizer.ggml.token_type": types, "tokenizer.ggml.merges": merges,

@@ -139,6 +139,51 @@ class SchedulerConfig:
         _check_positive(self, "max_num_seqs", "max_num_batched_tokens", "pipelined_step_tokens")
 
 
+MM_MODALITIES = ("image",)
+
+
+def parse_mm_limits(value: int | str | dict) -> dict[str, int]:
+    """limit_mm_per_prompt's value -> {"image": n}: an int (images), a dict, or its JSON ('{"image": 4}')."""
+    import json
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise ConfigError(f"limit_mm_per_prompt {value!r} is neither a number nor JSON such as "
+                              f'{{"image": 4}}') from None
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = {"image": value}
+    if not isinstance(value, dict):
+        raise ConfigError(f"limit_mm_per_prompt {value!r} is not a number or a dict such as {{'image': 4}}")
+    unknown = [k for k in value if k not in MM_MODALITIES]
+    if unknown:
+        raise ConfigError(f"limit_mm_per_prompt names {unknown}; supported: {', '.join(MM_MODALITIES)}")
+    bad = {k: v for k, v in value.items() if not isinstance(v, int) or isinstance(v, bool) or v < 0}
+    if bad:
+        raise ConfigError(f"limit_mm_per_prompt {bad} must be non-negative integers")
+    return {**{m: DEFAULT_MM_LIMIT for m in MM_MODALITIES}, **value}
+
+
+DEFAULT_MM_LIMIT = 16
+
+
+@dataclass(frozen=True)
+class MultiModalConfig:
+    """Images in prompts (vision-language models)."""
+    limit_mm_per_prompt: int | str | dict = setting(
+        DEFAULT_MM_LIMIT, 'most images one prompt may hold: a number, or JSON such as \'{"image": 4}\' '
+                          "(default: %(default)s)", type=str)
+    encoder_cache_memory: int | str = setting("256MiB", "memory of each worker for vision-tower outputs kept "
+                                                        "between steps, so a prompt chunked across steps (or the "
+                                                        "same image in another request) runs the tower once; least "
+                                                        "recently used first out (default: %(default)s)", type=str)
+
+    def __post_init__(self):
+        object.__setattr__(self, "limit_mm_per_prompt", parse_mm_limits(self.limit_mm_per_prompt))
+        object.__setattr__(self, "encoder_cache_memory", parse_size(self.encoder_cache_memory,
+                                                                    "encoder_cache_memory"))
+
+
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
 CPU_BIND_ALL = "all"
 
@@ -251,6 +296,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    multimodal: MultiModalConfig = field(default_factory=MultiModalConfig)
     record_logits: bool = setting(False, "keep each sampled step's logits on the outputs (for compare and "
                                          "debugging; costly: full-vocabulary rows leave the worker)")
     # not a setting: what `load` resolves to, filled in once by the engine before its workers start (they read
@@ -258,7 +304,7 @@ class EngineConfig:
     resolved_model: ResolvedModel | None = None
 
     SECTIONS = {"load": LoadConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig,
-                "lora": LoRAConfig}
+                "lora": LoRAConfig, "multimodal": MultiModalConfig}
 
     def __post_init__(self):
         if self.lora.enable_lora and self.parallel.data_parallel_size > 1:

@@ -20,6 +20,85 @@ KV_CACHE_DTYPES = {"auto": None, "int8": "int8", "fp8_e4m3": "float8_e4m3fn", "f
 
 
 @dataclass(frozen=True)
+class VisionConfig:
+    """The vision tower of a Qwen2-VL / Qwen2.5-VL checkpoint (config.json's vision_config, in one naming for
+    both: Qwen2-VL calls the tower's width embed_dim and its output hidden_size, Qwen2.5-VL hidden_size and
+    out_hidden_size) and the token ids that mark images in a prompt."""
+    windowed: bool  # Qwen2.5-VL's tower: window attention, RMSNorm, gated MLP; else Qwen2-VL's
+    depth: int
+    hidden_size: int  # the tower's width
+    out_hidden_size: int  # what the patch merger outputs: the language model's hidden size
+    intermediate_size: int
+    num_heads: int
+    hidden_act: str
+    image_token_id: int
+    video_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+    in_channels: int = 3
+    patch_size: int = 14
+    spatial_merge_size: int = 2
+    temporal_patch_size: int = 2
+    window_size: int = 112  # Qwen2.5-VL: the attention window's side in pixels
+    fullatt_block_indexes: tuple[int, ...] = ()  # Qwen2.5-VL: blocks that attend over the whole image
+    rope_theta: float = 10000.0
+
+    def __post_init__(self):
+        for name in ("depth", "hidden_size", "out_hidden_size", "intermediate_size", "num_heads", "patch_size",
+                     "spatial_merge_size", "temporal_patch_size", "window_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"config field vision_config.{name} must be a positive integer, got {value!r}")
+        if self.hidden_size % self.num_heads:
+            raise ConfigError(f"config field vision_config.hidden_size ({self.hidden_size}) is not divisible by "
+                              f"vision_config.num_heads ({self.num_heads})")
+        if (self.hidden_size // self.num_heads) % 4:
+            raise ConfigError("the vision tower's head dim (vision_config hidden_size / num_heads) must be a "
+                              "multiple of 4 for its 2-D rotary embedding")
+        if self.hidden_act not in VISION_ACTIVATIONS:
+            raise ConfigError(f"config field vision_config.hidden_act is {self.hidden_act!r}; supported: "
+                              f"{', '.join(VISION_ACTIVATIONS)}")
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict, windowed: bool) -> "VisionConfig":
+        """From config.json: its vision_config and the top level's image token ids."""
+        vision = cfg.get("vision_config")
+        if not isinstance(vision, dict):
+            raise ConfigError("config.json of a vision-language model lacks vision_config")
+        if windowed:
+            shape = dict(hidden_size=vision.get("hidden_size"), out_hidden_size=vision.get("out_hidden_size"),
+                         intermediate_size=vision.get("intermediate_size"))
+        else:
+            width = vision.get("embed_dim")
+            shape = dict(hidden_size=width, out_hidden_size=vision.get("hidden_size"),
+                         intermediate_size=int(width * vision.get("mlp_ratio", 4)) if width else None)
+        missing = [k for k, v in shape.items() if v is None] + [k for k in ("depth", "num_heads") if k not in vision]
+        missing += [k for k in _VISION_TOKENS if not isinstance(cfg.get(k), int)]
+        if missing:
+            raise ConfigError(f"config.json's vision model lacks field(s) {', '.join(missing)}")
+        rope = vision.get("rope_parameters") or {}
+        return cls(
+            windowed=windowed, depth=vision["depth"], num_heads=vision["num_heads"], **shape,
+            hidden_act=vision.get("hidden_act", "silu" if windowed else "quick_gelu"),
+            in_channels=vision.get("in_channels", vision.get("in_chans", 3)),
+            patch_size=vision.get("patch_size", 14), spatial_merge_size=vision.get("spatial_merge_size", 2),
+            temporal_patch_size=vision.get("temporal_patch_size", 2), window_size=vision.get("window_size", 112),
+            fullatt_block_indexes=tuple(vision.get("fullatt_block_indexes", ())),
+            rope_theta=float(rope.get("rope_theta", 10000.0)), **{k: cfg[k] for k in _VISION_TOKENS})
+
+    @property
+    def merge_unit(self) -> int:
+        """Patches merged into one language-model token (2 x 2)."""
+        return self.spatial_merge_size ** 2
+
+
+VISION_ACTIVATIONS = ("quick_gelu", "gelu", "silu")
+_VISION_TOKENS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+# vision-language architectures whose tower is Qwen2.5-VL's (windowed); the other VL architectures use Qwen2-VL's
+WINDOWED_VISION_ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration",)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int
     hidden_size: int
@@ -39,6 +118,10 @@ class ModelConfig:
     # config.json's `architectures` (for a GGUF file, the registered name of its general.architecture); the
     # model registry picks the first one it knows when the checkpoint is resolved
     architectures: tuple[str, ...] = (QWEN2_ARCHITECTURE,)
+    # multimodal rotary (Qwen2-VL): how many of the head's rotary frequencies follow the temporal, height and
+    # width positions (rope_scaling's mrope_section); None: plain 1-D rotary
+    mrope_section: tuple[int, ...] | None = None
+    vision: VisionConfig | None = None  # the vision tower of a vision-language checkpoint
     extra: dict = field(default_factory=dict, compare=False)  # untouched config.json keys, for convert
 
     def __post_init__(self):
@@ -68,6 +151,14 @@ class ModelConfig:
                                   f"{', '.join(ROPE_SCALING_TYPES)} (or none)")
             if not self.rope_scaling.get("factor") or self.rope_scaling["factor"] < 1:
                 raise ConfigError(f"config field rope_scaling.factor must be >= 1, got {self.rope_scaling.get('factor')}")
+        if self.mrope_section is not None:
+            if len(self.mrope_section) != 3 or sum(self.mrope_section) != self.head_dim // 2:
+                raise ConfigError(f"config field rope_scaling.mrope_section is {list(self.mrope_section)}; it needs "
+                                  f"three sections (temporal, height, width) adding up to head_dim / 2 "
+                                  f"({self.head_dim // 2})")
+            if self.rope_scaling is not None and self.rope_scaling["rope_type"] == "dynamic":
+                raise ConfigError("config field rope_scaling: dynamic NTK scaling is not supported with "
+                                  "mrope_section (multimodal rotary)")
 
     @property
     def head_dim(self) -> int:
@@ -99,7 +190,13 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, cfg: dict) -> "ModelConfig":
-        """From a config.json dict, in either transformers 4 (rope_theta/rope_scaling) or 5 (rope_parameters) form."""
+        """From a config.json dict, in either transformers 4 (rope_theta/rope_scaling) or 5 (rope_parameters) form.
+        A vision-language config keeps its language model's fields at the top level (as published) or in
+        text_config (as transformers 5 saves it)."""
+        if isinstance(cfg.get("text_config"), dict):
+            text = cfg["text_config"]
+            tied = bool(cfg.get("tie_word_embeddings") or text.get("tie_word_embeddings"))
+            cfg = {**text, **{k: v for k, v in cfg.items() if k != "text_config"}, "tie_word_embeddings": tied}
         archs = cfg.get("architectures") or []
         if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
             raise ConfigError(f"config field architectures must be a list of class names, got {archs!r}")
@@ -116,6 +213,11 @@ class ModelConfig:
         if legacy_scaling:
             rope.update(legacy_scaling)
         rope_theta = cfg.get("rope_theta", rope.get("rope_theta", QWEN2_DEFAULT_ROPE_THETA))
+        mrope_section = rope.pop("mrope_section", None)
+        vision = None
+        if "vision_config" in cfg:
+            windowed = any(a in WINDOWED_VISION_ARCHITECTURES for a in archs) or cfg.get("model_type") == "qwen2_5_vl"
+            vision = VisionConfig.from_hf_dict(cfg, windowed)
         missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                "num_attention_heads") if k not in cfg]
         if missing:
@@ -138,6 +240,8 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"),
             architectures=tuple(archs),
+            mrope_section=tuple(mrope_section) if mrope_section else None,
+            vision=vision,
             extra={k: v for k, v in cfg.items() if k not in known},
         )
 
@@ -168,7 +272,7 @@ class ModelConfig:
 def _normalize_rope_scaling(rope: dict) -> dict | None:
     """HF's rope dict (either form) -> None for plain RoPE, else a dict with 'rope_type' and its parameters."""
     kind = rope.get("rope_type") or rope.get("type")
-    if kind in (None, "default"):
+    if kind in (None, "default", "mrope"):  # "mrope": Qwen2-VL's published name for plain RoPE with sections
         return None
     out = {k: v for k, v in rope.items() if k not in ("type", "rope_type", "rope_theta")}
     out["rope_type"] = kind

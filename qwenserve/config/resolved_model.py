@@ -28,6 +28,7 @@ class ResolvedModel:
     quantization_config: dict = field(default_factory=dict)  # config.json's, for awq and gptq
     generation_config: dict = field(default_factory=dict)  # generation_config.json, or a GGUF file's EOS
     weight_files: tuple[str, ...] = ()  # the files that hold the weights, in reading order
+    preprocessor_config: dict = field(default_factory=dict)  # preprocessor_config.json: a VL model's image settings
 
     def __post_init__(self):
         if self.format not in CHECKPOINT_FORMATS:

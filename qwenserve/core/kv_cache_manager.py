@@ -1,7 +1,7 @@
 """Owns the KV cache blocks: who holds which block, reference counts, and the prefix cache.
 
 A block is identified for prefix caching by a chained hash: sha256(parent block's hash, its token ids, extra
-keys). sha256 makes a hit collision-safe. Blocks nobody references stay in a free queue; a cached one is
+keys: the content hash of each image whose placeholder tokens it holds). sha256 makes a hit collision-safe. Blocks nobody references stay in a free queue; a cached one is
 reused by a later request with the same prefix until allocation evicts it (least recently freed first).
 The manager knows sequences only as holders of a block table; it never sees tensors.
 
@@ -82,6 +82,8 @@ class KVCacheManager:
             i = len(seq.block_hashes)
             parent = seq.block_hashes[-1] if i else b""
             data = parent + array("q", seq.token_ids[i * bs:(i + 1) * bs]).tobytes() + seq.cache_salt
+            # placeholder tokens are the same for every image of a size: the images' content tells blocks apart
+            data += b"".join(image.content_hash for image in seq.images if image.overlaps(i * bs, (i + 1) * bs))
             seq.block_hashes.append(hashlib.sha256(data).digest())
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:

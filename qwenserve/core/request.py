@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from qwenserve.core.multimodal import ImageInput
 from qwenserve.lora.request import LoRARequest
 from qwenserve.sample.sampling_params import SamplingParams
 
@@ -26,6 +27,7 @@ class Sequence:
     params: SamplingParams
     lora_request: LoRARequest | None = None  # the adapter it runs with; None: the base model
     cache_salt: bytes = b""  # extra key in block hashes: the adapter's, so no block serves another adapter
+    images: tuple[ImageInput, ...] = ()  # the prompt's images, in order: their hashes key the blocks they touch
     status: Status = Status.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission

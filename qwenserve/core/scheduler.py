@@ -139,7 +139,8 @@ class Scheduler:
         sent = self._blocks_sent.get(seq.seq_id)
         if sent is None:
             out.new_seqs.append(NewSequenceData(seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens, seq.params,
-                                                list(seq.block_table), seq.num_computed_tokens, seq.lora_request))
+                                                list(seq.block_table), seq.num_computed_tokens, seq.lora_request,
+                                                seq.images))
         else:
             # 0 blocks sent happens only after a preemption (a scheduled sequence always holds a block)
             out.cached_seqs.append(CachedSequenceData(seq.seq_id, seq.block_table[sent:], seq.num_computed_tokens,

@@ -1,9 +1,10 @@
 """The typed contract of one engine step, in vLLM v1's shape: the scheduler says what to run
 (`SchedulerOutput`), the worker runs it and says what it sampled (`ModelRunnerOutput`).
 
-Both are plain data (ints, lists, sampling parameters; no tensors, no Sequence objects), so the boundary can
-become a process boundary: the worker keeps its own per-sequence state, created by `NewSequenceData` the first
-time it sees a sequence, advanced by `CachedSequenceData` each later step, dropped by `finished_seq_ids`.
+Both are plain data (ints, lists, sampling parameters, a new sequence's image pixels as numpy arrays; no tensors,
+no Sequence objects), so the boundary can become a process boundary: the worker keeps its own per-sequence state,
+created by `NewSequenceData` the first time it sees a sequence, advanced by `CachedSequenceData` each later step,
+dropped by `finished_seq_ids`.
 Only sampled token ids and the logprobs a request asked for come back; never full-vocabulary logits (except
 the opt-in `record_logits` debugging channel that `compare` uses).
 `ModelRunnerOutput` is declared here, beside its counterpart, because the scheduler consumes it and core may
@@ -13,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from qwenserve.core.multimodal import ImageInput
 from qwenserve.lora.request import LoRARequest
 from qwenserve.sample.logprob import Logprob
 from qwenserve.sample.sampling_params import SamplingParams
@@ -28,6 +30,7 @@ class NewSequenceData:
     block_ids: list[int]
     num_computed_tokens: int  # tokens already in the cache (prefix hits, blocks shared with a sibling)
     lora_request: LoRARequest | None = None  # the adapter it runs with (the worker loads it); None: the base model
+    images: tuple[ImageInput, ...] = ()  # the prompt's images with their pixels (core/multimodal.py says why here)
 
 
 @dataclass

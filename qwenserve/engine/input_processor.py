@@ -1,15 +1,18 @@
-"""Requests in: a prompt (text, token ids, or a dict of either) and sampling parameters, tokenized and checked
-against the model and the KV cache before anything is queued. A bad request raises RequestError naming the
-field at fault, and leaves nothing behind."""
+"""Requests in: a prompt (text, token ids, or a dict of either, with images under "multi_modal_data" for a
+vision-language model) and sampling parameters, tokenized and checked against the model and the KV cache before
+anything is queued. Images are preprocessed here and each one's placeholder expanded to its size in tokens. A bad
+request raises RequestError naming the field at fault, and leaves nothing behind."""
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 
 from qwenserve.config.errors import RequestError
+from qwenserve.core.multimodal import ImageInput
 from qwenserve.lora.peft import LoRAAdapterError
 from qwenserve.lora.registry import AdapterRegistry
 from qwenserve.lora.request import LoRARequest
+from qwenserve.model.models.qwen2_vl_processor import Qwen2VLProcessor
 from qwenserve.sample.grammar import check_constraint
 from qwenserve.sample.sampling_params import SamplingParams
 
@@ -20,14 +23,20 @@ class ProcessedRequest:
     prompt_token_ids: list[int]
     params: SamplingParams  # max_tokens resolved, eos_token_ids filled in
     lora_request: LoRARequest | None = None  # the adapter it runs with, checked; None: the base model
+    images: tuple[ImageInput, ...] = ()  # in prompt order; their placeholders are expanded in prompt_token_ids
 
 
 class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: frozenset[int],
-                 block_size: int, num_kv_blocks: int, adapters: AdapterRegistry | None = None):
-        """adapters: the engine's LoRA adapters, with enable_lora; None: requests may not name one."""
+                 block_size: int, num_kv_blocks: int, adapters: AdapterRegistry | None = None,
+                 image_processor: Qwen2VLProcessor | None = None, mm_limits: dict[str, int] | None = None):
+        """adapters: the engine's LoRA adapters, with enable_lora; None: requests may not name one.
+        image_processor: the model's, None for a text-only model; mm_limits: the most items of each modality one
+        prompt may hold (limit_mm_per_prompt)."""
         self.tokenizer = tokenizer
         self.adapters = adapters
+        self.image_processor = image_processor
+        self.mm_limits = mm_limits or {}
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
@@ -51,11 +60,12 @@ class InputProcessor:
     def process(self, prompt: str | list[int] | dict, params: SamplingParams,
                 lora_request: LoRARequest | None = None) -> ProcessedRequest:
         text, ids = self.tokenize(prompt)
+        ids, images = self._images(prompt, ids)
         self._check(ids, params)
         self._check_adapter(lora_request)
         max_tokens = params.max_tokens or self.max_model_len - len(ids)
         params = dataclasses.replace(params, max_tokens=max_tokens, eos_token_ids=self.eos_token_ids)
-        return ProcessedRequest(text, ids, params, lora_request)
+        return ProcessedRequest(text, ids, params, lora_request, images)
 
     def _check_adapter(self, lora_request: LoRARequest | None) -> None:
         if lora_request is None:
@@ -70,6 +80,37 @@ class InputProcessor:
             self.adapters.check(lora_request)
         except LoRAAdapterError as e:
             raise RequestError(str(e), param="lora_request") from None
+
+    def _images(self, prompt, ids: list[int]) -> tuple[list[int], tuple[ImageInput, ...]]:
+        """The prompt with its image placeholders expanded, and its images, from prompt["multi_modal_data"]."""
+        data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if not data:
+            if self.image_processor is not None and self.image_processor.vision.image_token_id in ids:
+                raise RequestError("the prompt has image placeholders (<|image_pad|>) but no images",
+                                   param="multi_modal_data")
+            return ids, ()
+        if not isinstance(data, dict):
+            raise RequestError("multi_modal_data must be a dict such as {'image': [...]}", param="multi_modal_data")
+        unknown = [k for k in data if k != "image"]
+        if unknown:
+            raise RequestError(f"multi_modal_data holds {unknown}; this engine takes images only ('image')",
+                               param="multi_modal_data")
+        if self.image_processor is None:
+            raise RequestError("this model is text-only: it takes no images", param="multi_modal_data")
+        raw = data["image"] if isinstance(data["image"], (list, tuple)) else [data["image"]]
+        limit = self.mm_limits.get("image", len(raw))
+        if len(raw) > limit:
+            raise RequestError(f"the prompt holds {len(raw)} images; at most {limit} are allowed "
+                               f"(limit_mm_per_prompt)", param="multi_modal_data")
+        processed = []
+        for i, image in enumerate(raw):
+            try:
+                processed.append(self.image_processor.process(image))
+            except RequestError as e:
+                raise RequestError(f"image {i + 1}: {e}", param=e.param) from None
+        ids, offsets = self.image_processor.expand_placeholders(ids, processed)
+        return ids, tuple(ImageInput(offset, p.num_tokens, p.grid, p.content_hash, p.pixel_values)
+                          for offset, p in zip(offsets, processed))
 
     def _check(self, ids: list[int], params: SamplingParams) -> None:
         if params.structured_outputs is not None:

@@ -26,6 +26,7 @@ from qwenserve.executor.uniproc_executor import UniProcExecutor
 from qwenserve.lora.registry import AdapterRegistry
 from qwenserve.lora.request import LoRARequest
 from qwenserve.model.loader.resolve import load_tokenizer, resolve_model
+from qwenserve.model.models.qwen2_vl_processor import Qwen2VLProcessor
 from qwenserve.sample.grammar import GrammarCompiler
 from qwenserve.sample.sampling_params import SamplingParams
 from qwenserve.sample.structured_outputs import FIELD
@@ -86,9 +87,11 @@ class LLMEngine:
         self._in_flight: deque[SchedulerOutput] = deque()  # submitted steps, oldest first
         eos_token_ids = frozenset(resolved.stop_token_ids(self.tokenizer))
         self.adapters = AdapterRegistry(resolved.config, lora.max_lora_rank) if lora.enable_lora else None
+        vision = resolved.config.vision
+        image_processor = Qwen2VLProcessor(vision, resolved.preprocessor_config) if vision is not None else None
         self.input_processor = InputProcessor(self.tokenizer, resolved.config.vocab_size, self.max_model_len,
                                               eos_token_ids, config.cache.block_size, self.kv.num_blocks,
-                                              self.adapters)
+                                              self.adapters, image_processor, config.multimodal.limit_mm_per_prompt)
         self.structured_output = StructuredOutputManager(
             GrammarCompiler(self.tokenizer, resolved.config.vocab_size, eos_token_ids))
         self._request_failures: dict[str, Exception] = {}  # failed between steps; raised by the next finish_step
@@ -113,7 +116,8 @@ class LLMEngine:
         lora = request.lora_request
         seqs = [Sequence(next(self._seq_ids), request_id, i, list(request.prompt_token_ids),
                          len(request.prompt_token_ids), params.child(i) if params.n > 1 else params,
-                         lora_request=lora, cache_salt=lora.cache_salt if lora is not None else b"")
+                         lora_request=lora, cache_salt=lora.cache_salt if lora is not None else b"",
+                         images=request.images)
                 for i in range(params.n)]
         seqs[0].fork_children = seqs[1:]  # siblings start from the first one's prompt blocks
         self.output_processor.add_request(request_id, request, seqs, arrival_time or time.time())

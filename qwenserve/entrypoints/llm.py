@@ -9,6 +9,7 @@ from qwenserve.engine.data_parallel import build_engine
 from qwenserve.engine.outputs import RequestOutput
 from qwenserve.lora.request import LoRARequest
 from qwenserve.model.loader.tokenizer import chat_prompt_ids
+from qwenserve.model.models.qwen2_vl_processor import image_placeholder, split_image_parts
 from qwenserve.sample.sampling_params import SamplingParams
 
 
@@ -27,8 +28,9 @@ class LLM:
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True,
                  lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
-        """prompts: a string, a {"prompt_token_ids": [...]} dict, or a list of them. One output per prompt,
-        in order. lora_request: the LoRA adapter every prompt runs with, or one per prompt (None: the base
+        """prompts: a string, a {"prompt": ...} or {"prompt_token_ids": [...]} dict (with "multi_modal_data":
+        {"image": <PIL image or list of them>} for a vision-language model), or a list of them. One output per
+        prompt, in order. lora_request: the LoRA adapter every prompt runs with, or one per prompt (None: the base
         model); needs enable_lora."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -46,10 +48,21 @@ class LLM:
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
-        """messages: one conversation (a list of {"role", "content"} dicts) or a list of conversations."""
+        """messages: one conversation (a list of {"role", "content"} dicts) or a list of conversations. A
+        message's content may be a list of OpenAI parts: text, and for a vision-language model images
+        ({"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}} or {"type": "image_pil",
+        "image_pil": <PIL image>})."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.get_tokenizer()
-        prompts = [{"prompt_token_ids": chat_prompt_ids(tok, conv, add_generation_prompt)} for conv in conversations]
+        vision = self.engine.resolved_model.config.vision
+        placeholder = image_placeholder(tok, vision) if vision is not None else None
+        prompts = []
+        for conv in conversations:
+            conv, images = split_image_parts(conv, placeholder)
+            prompt = {"prompt_token_ids": chat_prompt_ids(tok, conv, add_generation_prompt)}
+            if images:
+                prompt["multi_modal_data"] = {"image": images}
+            prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def _run(self, work: list, use_tqdm: bool) -> list[RequestOutput]:

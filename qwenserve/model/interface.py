@@ -60,6 +60,25 @@ class CausalLM(Protocol):
         """Re-arrange the loaded weights for the kernels that run them (e.g. packing)."""
 
 
+@runtime_checkable
+class MultiModalCausalLM(CausalLM, Protocol):
+    """A model whose prompts may hold images (Qwen2-VL): the runner embeds the step's tokens itself, writes each
+    image's rows over its placeholder tokens' and passes the rows as forward's `inputs_embeds`; positions are
+    [3, T] multimodal rotary positions (model/layers/rotary.py, `mrope_positions`)."""
+    spatial_merge_size: int  # patches merged per side into one token (the grid of image_grid_thw / this)
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] token ids -> [T, hidden] input rows (first pipeline stage)."""
+
+    def embed_images(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+        """The processor's pixel values of images with these (t, h, w) patch grids -> their placeholder rows
+        [tokens, hidden], images one after another."""
+
+
+def is_multimodal(model) -> bool:
+    return callable(getattr(model, "embed_images", None))
+
+
 _METHODS = ("kv_cache_spec", "forward", "compute_logits", "checkpoint_target", "process_weights_after_loading")
 
 

@@ -1,6 +1,11 @@
-"""The worker's copy of every sequence it runs (`SequenceState`: tokens, block table, sampling state), kept
+"""The worker's copy of every sequence it runs (`SequenceState`: tokens, block table, sampling state, images), kept
 across steps from the scheduler's deltas, and the flat batch built from them each step: token ids,
-positions, cache slots and attention metadata, with no padding to the longest prompt."""
+positions, cache slots and attention metadata, with no padding to the longest prompt.
+
+For a model with multimodal rotary (Qwen2-VL) positions are [3, T]: a prompt's come from its images' grids
+(computed once per sequence), later tokens' are their index plus the prompt's delta on all three axes. The batch
+then also says which rows are which image's placeholders (`ImageRows`), for the runner to splice the vision tower's
+output in."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -8,9 +13,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from qwenserve.core.multimodal import ImageInput
 from qwenserve.core.step import SchedulerOutput
 from qwenserve.lora.request import LoRARequest
 from qwenserve.model.layers.attention import AttentionMetadata, DecodeGroup, PagedKVCache, PrefillSpan
+from qwenserve.model.layers.rotary import mrope_positions
 from qwenserve.sample.sampling_params import SamplingParams
 
 MAX_DECODE_GROUPS = 4
@@ -26,6 +33,16 @@ class SequenceState:
     num_computed_tokens: int
     generator: torch.Generator | None = None  # the request's own RNG when seeded; survives preemption
     lora_request: LoRARequest | None = None  # the adapter it runs with; None: the base model
+    images: tuple[ImageInput, ...] = ()
+    prompt_mrope: np.ndarray | None = None  # [3, prompt tokens] M-RoPE positions, when the model uses them
+    mrope_delta: int = 0  # what a token past the prompt adds to its index
+
+    def mrope(self, start: int, end: int) -> np.ndarray:
+        """[3, end - start] M-RoPE positions of tokens start..end-1."""
+        n = self.num_prompt_tokens
+        later = np.arange(max(start, n), max(end, n)) + self.mrope_delta
+        return np.concatenate([self.prompt_mrope[:, start:min(end, n)], np.broadcast_to(later, (3, len(later)))],
+                              axis=1)
 
     @property
     def num_output_tokens(self) -> int:
@@ -42,19 +59,31 @@ class PromptChunk:
 
 
 @dataclass
+class ImageRows:
+    """Rows [row, row + last - first) of the flat batch are placeholders first..last-1 of image."""
+    row: int
+    image: ImageInput
+    first: int
+    last: int
+
+
+@dataclass
 class ModelInputs:
     input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]; [3, T] for M-RoPE
     attn_metadata: AttentionMetadata
     sample_rows: torch.Tensor  # rows whose logits pick each sampling sequence's next token
     sampling_seqs: list[SequenceState]  # sequences that reached their last known token: they take a new one
     prompt_chunks: list[PromptChunk] = field(default_factory=list)
     # (first row, end row, adapter) of each sequence that runs with an adapter, for the step's LoRABatch
     lora_spans: list[tuple[int, int, LoRARequest]] = field(default_factory=list)
+    image_rows: list[ImageRows] = field(default_factory=list)
 
 
 class InputBatch:
-    def __init__(self, block_size: int, device: torch.device, decode_kernel: bool):
+    def __init__(self, block_size: int, device: torch.device, decode_kernel: bool, mrope_merge: int | None = None):
+        """mrope_merge: the vision tower's spatial merge size when the model takes M-RoPE positions, else None."""
+        self.mrope_merge = mrope_merge
         self.block_size = block_size
         self.device = device
         # the CPU kernel reads every decode sequence in place at its own length: no grouping or masks needed
@@ -68,9 +97,12 @@ class InputBatch:
         for new in scheduler_output.new_seqs:
             p = new.params
             generator = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
-            self.seqs[new.seq_id] = SequenceState(new.seq_id, list(new.token_ids), new.num_prompt_tokens, p,
-                                                  list(new.block_ids), new.num_computed_tokens, generator,
-                                                  new.lora_request)
+            seq = SequenceState(new.seq_id, list(new.token_ids), new.num_prompt_tokens, p, list(new.block_ids),
+                                new.num_computed_tokens, generator, new.lora_request, new.images)
+            if self.mrope_merge is not None:
+                seq.prompt_mrope, seq.mrope_delta = mrope_positions(
+                    seq.num_prompt_tokens, [(image.offset, image.grid) for image in seq.images], self.mrope_merge)
+            self.seqs[new.seq_id] = seq
         for cached in scheduler_output.cached_seqs:
             seq = self.seqs[cached.seq_id]
             seq.token_ids.extend(cached.new_token_ids)
@@ -87,7 +119,7 @@ class InputBatch:
         bs = self.block_size
         ids, positions, slots = [], [], []
         decode_rows, decode_tables, decode_lens, prefills = [], [], [], []
-        sample_rows, sampling_seqs, prompt_chunks, lora_spans = [], [], [], []
+        sample_rows, sampling_seqs, prompt_chunks, lora_spans, image_rows = [], [], [], [], []
         row = 0
         for seq_id, n in scheduler_output.num_scheduled_tokens.items():
             seq = self.seqs[seq_id]
@@ -95,7 +127,12 @@ class InputBatch:
             ids.extend(seq.token_ids[start:end])
             pos = np.arange(start, end)
             table = np.asarray(seq.block_table[:-(-end // bs)], dtype=np.int64)
-            positions.append(pos)
+            positions.append(pos if self.mrope_merge is None else seq.mrope(start, end))
+            for image in seq.images:
+                if image.overlaps(start, end):  # a chunk may hold only part of an image
+                    first, last = max(start, image.offset), min(end, image.end)
+                    image_rows.append(ImageRows(row + first - start, image, first - image.offset,
+                                                last - image.offset))
             slots.append(table[pos // bs] * bs + pos % bs)
             if n == 1 and start > 0:
                 decode_rows.append(row)
@@ -114,8 +151,8 @@ class InputBatch:
 
         decode = self._decode_groups(decode_rows, decode_tables, decode_lens, row)
         metadata = AttentionMetadata(kv_cache, self._tensor(np.concatenate(slots)), decode, prefills)
-        return ModelInputs(self._tensor(ids), self._tensor(np.concatenate(positions)), metadata,
-                           self._tensor(sample_rows), sampling_seqs, prompt_chunks, lora_spans)
+        return ModelInputs(self._tensor(ids), self._tensor(np.concatenate(positions, axis=-1)), metadata,
+                           self._tensor(sample_rows), sampling_seqs, prompt_chunks, lora_spans, image_rows)
 
     def _decode_groups(self, rows: list[int], tables: list[np.ndarray], lens: list[int], num_rows: int):
         """Decode tokens as batched attentions. The CPU kernel takes them all in one group, each sequence read at

@@ -1,17 +1,25 @@
 """Runs one scheduled step: the flat batch through the model, logits only for the rows that need them (the
 last position of each sequence that takes a token, plus the prompt positions of a request that asked for
-prompt logprobs), then sampling. What leaves is a ModelRunnerOutput: token ids and requested logprobs."""
+prompt logprobs), then sampling. What leaves is a ModelRunnerOutput: token ids and requested logprobs.
+
+With images (a multimodal model): the step's tokens are embedded here, the vision tower's rows for the image
+placeholders in the batch (from the encoder cache, or the tower run once for every image the cache lacks) are
+written over theirs, and the model takes the rows as inputs_embeds."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from qwenserve.core.step import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from qwenserve.lora.manager import LoRAManager
-from qwenserve.model.interface import CausalLM
+from qwenserve.model.interface import CausalLM, is_multimodal
 from qwenserve.model.layers.attention import AttentionMetadata, PagedKVCache, PrefillSpan, decode_kernel_available
 from qwenserve.sample.logprobs import top_logprobs
 from qwenserve.sample.sampler import Sampler
-from qwenserve.worker.input_batch import InputBatch, PromptChunk
+from qwenserve.worker.encoder_cache import EncoderCache
+from qwenserve.worker.input_batch import ImageRows, InputBatch, PromptChunk
+
+DEFAULT_ENCODER_CACHE_BYTES = 256 << 20
 
 
 @torch.inference_mode()
@@ -31,13 +39,17 @@ def full_logits(model: CausalLM, token_ids: list[int]) -> torch.Tensor:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_cache: PagedKVCache, device: torch.device | str = "cpu",
-                 record_logits: bool = False, lora_manager: LoRAManager | None = None):
+                 record_logits: bool = False, lora_manager: LoRAManager | None = None,
+                 encoder_cache_bytes: int = DEFAULT_ENCODER_CACHE_BYTES):
         """lora_manager: the model's adapters (its projections already wrapped), with enable_lora."""
         self.model = model
         self.lora_manager = lora_manager
         self.kv_cache = kv_cache
         self.device = torch.device(device)
-        self.input_batch = InputBatch(kv_cache.block_size, self.device, decode_kernel_available(self.device))
+        self.multimodal = is_multimodal(model)
+        self.encoder_cache = EncoderCache(encoder_cache_bytes) if self.multimodal else None
+        self.input_batch = InputBatch(kv_cache.block_size, self.device, decode_kernel_available(self.device),
+                                      model.spatial_merge_size if self.multimodal else None)
         # sampling runs on the host: per-request generators and small per-row ops (logits are copied there)
         self.sampler = Sampler("cpu")
         self.record_logits = record_logits
@@ -55,7 +67,11 @@ class ModelRunner:
         intermediate = None
         if not pp.is_first:
             intermediate = pp.recv(len(inputs.input_ids), self.model.hidden_size, self.model.dtype, self.device)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata, intermediate)
+        if inputs.image_rows and pp.is_first:
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata, intermediate,
+                                inputs_embeds=self._embeds_with_images(inputs.input_ids, inputs.image_rows))
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata, intermediate)
         if not pp.is_last:
             pp.send(*hidden)
             return None
@@ -73,6 +89,35 @@ class ModelRunner:
         for chunk in inputs.prompt_chunks:
             out.prompt_logprobs[chunk.seq.seq_id] = (chunk.first_position + 1, self._prompt_logprobs(hidden, chunk))
         return out
+
+    def _embeds_with_images(self, input_ids: torch.Tensor, image_rows: list[ImageRows]) -> torch.Tensor:
+        """The step's input rows: token embeddings, with each image's rows written over its placeholders'."""
+        embeds = self.model.embed_tokens(input_ids)
+        outputs = self._image_outputs([part.image for part in image_rows])
+        for part in image_rows:
+            rows = outputs[part.image.content_hash][part.first:part.last]
+            embeds[part.row:part.row + len(rows)] = rows.to(embeds.dtype)
+        return embeds
+
+    def _image_outputs(self, images: list) -> dict[bytes, torch.Tensor]:
+        """The tower's output of each image, by content hash: from the cache, the missing ones in one tower run."""
+        cache = self.encoder_cache
+        found, missing = {}, {}
+        for image in images:
+            out = cache.get(image.content_hash)
+            if out is not None:
+                found[image.content_hash] = out
+            else:
+                missing[image.content_hash] = image
+        if missing:
+            todo = list(missing.values())
+            pixels = torch.from_numpy(np.concatenate([image.pixel_values for image in todo])).to(self.device)
+            merged = self.model.embed_images(pixels, [image.grid for image in todo])
+            for image, out in zip(todo, merged.split([image.num_tokens for image in todo])):
+                found[image.content_hash] = out
+                cache.put(image.content_hash, out)
+            cache.computed += len(todo)
+        return found
 
     def _prompt_logprobs(self, hidden: torch.Tensor, chunk: PromptChunk) -> list:
         """Entries for the prompt tokens this chunk predicts: row i predicts the token at first_position + i + 1

@@ -84,7 +84,7 @@ class Worker:
                                      self.device)
         with use_cpu_kernels(self.config.load.cpu_kernels, self.config.load.cpu_isa):
             self.model_runner = ModelRunner(self.model, self.kv_cache, self.device, self.config.record_logits,
-                                            self.lora_manager)
+                                            self.lora_manager, self.config.multimodal.encoder_cache_memory)
 
     @property
     def num_kv_blocks(self) -> int:

@@ -4,16 +4,17 @@ modules would run, in their order, so the results are bit-identical; it saves th
 a batch-1 step of the bundled model: docs/performance.md, "Decode layers in one call").
 
 It applies where every part of every layer has a kernel: block-quantized projections that take ggml_mm at the
-step's rows (every segment a kernel call, no input permutation), one tensor-parallel rank, a fixed rotary table, a
-KV cache in the run dtype, and a step of decode tokens only, none of them under a LoRA adapter. Anything else runs
-the modules, as does every step under enforce_eager. The layers' names are vLLM's (input_layernorm,
-self_attn.qkv_proj, mlp.gate_up_proj, ...)."""
+step's rows (every segment a kernel call, no input permutation), one tensor-parallel rank, a fixed 1-D rotary table
+(not M-RoPE's [3, T] positions), a KV cache in the run dtype, and a step of decode tokens only, none of them under a
+LoRA adapter. Anything else runs the modules, as does every step under enforce_eager. The layers' names are vLLM's
+(input_layernorm, self_attn.qkv_proj, mlp.gate_up_proj, ...)."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from qwenserve.model.layers.attention import AttentionMetadata, PagedKVCache
+from qwenserve.model.layers.rotary import MRotaryEmbedding
 
 # add_segment's projection numbers
 _PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
@@ -53,7 +54,8 @@ class FusedDecodeLayers:
         if self._ops is None or not self._layers:
             return 0
         first = self._layers[0]
-        if first.self_attn.rotary_emb.dynamic:
+        rotary = first.self_attn.rotary_emb
+        if rotary.dynamic or isinstance(rotary, MRotaryEmbedding):  # the call indexes one table by 1-D positions
             return 0
         linears = [_projection(layer, path) for layer in self._layers for path in _PROJECTIONS]
         if not all(_runs_on_kernel_calls(linear) for linear in linears):

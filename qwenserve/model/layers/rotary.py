@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -111,3 +112,45 @@ class RotaryEmbedding(nn.Module):
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """Multimodal rotary embedding (Qwen2-VL's M-RoPE): the head's rotary frequencies are cut into three sections
+    (mrope_section, e.g. 16/24/24 of 64) that rotate by a token's temporal, height and width position. Positions
+    are [3, T]; a text token has the same value in all three, which makes it plain RoPE. The rotation is the
+    parent's (the same kernel): only the cos/sin rows differ, assembled per token from the three positions."""
+
+    def __init__(self, head_dim: int, max_position: int, base: float, original_max_position: int,
+                 scaling: dict | None, mrope_section: tuple[int, ...]):
+        super().__init__(head_dim, max_position, base, original_max_position, scaling)
+        half = torch.repeat_interleave(torch.arange(3), torch.tensor(mrope_section))  # section of each frequency
+        self.register_buffer("section_of_column", torch.cat([half, half]), persistent=False)  # cos half, sin half
+
+    def _table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 1:
+            return super()._table(positions)
+        rows = self.cos_sin[positions]  # [3, T, head_dim]: each axis' table rows
+        picked = rows.gather(0, self.section_of_column.expand(1, positions.shape[1], -1)).squeeze(0)
+        return picked, torch.arange(positions.shape[1], device=positions.device)
+
+
+def mrope_positions(num_tokens: int, images: list[tuple[int, tuple[int, int, int]]],
+                    spatial_merge_size: int) -> tuple[np.ndarray, int]:
+    """M-RoPE positions [3, num_tokens] of a prompt, as transformers' Qwen2-VL get_rope_index computes them, and
+    the delta that later tokens add to their index (position = index + delta on all three axes).
+    images: (index of the image's first placeholder token, its patch grid (t, h, w)) in prompt order. Text
+    continues one past where the previous text or image left off; an image's tokens take (t, row, column) of the
+    merged grid, offset by that start, and the text after it starts at start + max(rows, columns)."""
+    out = np.empty((3, num_tokens), dtype=np.int64)
+    index = next_position = 0
+    for first, (t, h, w) in sorted(images):
+        text = first - index
+        out[:, index:first] = np.arange(next_position, next_position + text)
+        next_position += text
+        h, w = h // spatial_merge_size, w // spatial_merge_size
+        grid = np.stack(np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")).reshape(3, -1)
+        out[:, first:first + t * h * w] = grid + next_position
+        index = first + t * h * w
+        next_position += max(h, w)
+    out[:, index:] = np.arange(next_position, next_position + num_tokens - index)
+    return out, next_position + num_tokens - index - num_tokens

@@ -40,6 +40,8 @@ class Checkpoint:
     naming: str  # how its tensors are named, for error messages
     generation_config: dict = field(default_factory=dict)
 
+    preprocessor_config: dict = field(default_factory=dict)  # preprocessor_config.json, for image inputs
+
     # how the checkpoint's weights are stored: "none" (dense) or the quantization they need ("gguf", ...)
     native_quantization = "none"
     quantization_config: dict = field(default_factory=dict)  # config.json's, for awq and gptq
@@ -91,6 +93,7 @@ class HFCheckpoint(Checkpoint):
             super().__init__(path, model_id or path, resolved.config, self.NAMING, resolved.generation_config)
             self.files = list(resolved.weight_files)
             self._set_quantization_config(resolved.quantization_config)
+            self.preprocessor_config = resolved.preprocessor_config
             return
         config_path = os.path.join(path, "config.json")
         if not os.path.isfile(config_path):
@@ -103,6 +106,10 @@ class HFCheckpoint(Checkpoint):
         super().__init__(path, model_id or path, config, self.NAMING, generation)
         self.files = self._safetensors_files()
         self._set_quantization_config(raw_config.get("quantization_config") or {})
+        preprocessor_path = os.path.join(path, "preprocessor_config.json")
+        if os.path.isfile(preprocessor_path):
+            with open(preprocessor_path) as f:
+                self.preprocessor_config = json.load(f)
 
     def _set_quantization_config(self, quantization_config: dict) -> None:
         self.quantization_config = quantization_config

@@ -29,7 +29,7 @@ from qwenserve.model.layers.embedding import ParallelLMHead, VocabParallelEmbedd
 from qwenserve.model.layers.layernorm import RMSNorm
 from qwenserve.model.layers.linear import LinearMethod, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from qwenserve.model.layers.quantization import QuantizationScheme
-from qwenserve.model.layers.rotary import RotaryEmbedding
+from qwenserve.model.layers.rotary import MRotaryEmbedding, RotaryEmbedding
 from qwenserve.model.registry import MODEL_REGISTRY
 
 logger = logging.getLogger(__name__)
@@ -47,8 +47,13 @@ class Qwen2Attention(nn.Module):
         self.head_dim = head_dim
         self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, bias=False, tp=tp,
                                         linear_method=linear_method)
-        self.rotary_emb = RotaryEmbedding(head_dim, max_position, config.rope_theta,
-                                          config.max_position_embeddings, config.rope_scaling)
+        if config.mrope_section is None:
+            self.rotary_emb = RotaryEmbedding(head_dim, max_position, config.rope_theta,
+                                              config.max_position_embeddings, config.rope_scaling)
+        else:  # a vision-language model's positions are [3, T] (temporal, height, width)
+            self.rotary_emb = MRotaryEmbedding(head_dim, max_position, config.rope_theta,
+                                               config.max_position_embeddings, config.rope_scaling,
+                                               config.mrope_section)
         self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, head_dim, scale=head_dim ** -0.5)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -131,12 +136,15 @@ class Qwen2Model(nn.Module):
         ops = cpu_ops_for(torch.empty(0).device) if fused_decode_allowed() else None
         self.fused_decode = FusedDecodeLayers(self.own_layers, ops)
 
-    def forward(self, input_ids, positions, attn_metadata, intermediate=None):
+    def forward(self, input_ids, positions, attn_metadata, intermediate=None, inputs_embeds=None):
+        """inputs_embeds: the first stage's input rows when they are not all token embeddings (images spliced
+        in); None: embed input_ids."""
         if self.pp.is_first:
-            hidden, residual = self.embed_tokens(input_ids), None
+            hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+            residual = None
         else:
             hidden, residual = intermediate
-        fused = self.fused_decode.call_for(attn_metadata, positions.shape[0])
+        fused = self.fused_decode.call_for(attn_metadata, positions.shape[-1])
         if fused is not None:
             group = attn_metadata.decode[0]
             hidden, residual = fused.run(hidden, residual, positions, attn_metadata.slot_mapping, group.block_tables,

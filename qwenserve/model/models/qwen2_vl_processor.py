@@ -1,0 +1,214 @@
+"""Qwen2-VL's prompt side of images, as Qwen's processor does it (transformers' Qwen2VLImageProcessor, PIL path):
+- an image (PIL, or a data: URL) is converted to RGB (transparency onto white), resized with bicubic filtering to
+  sides that are multiples of 28 (patch 14 x merge 2) and hold between min_pixels and max_pixels pixels, keeping
+  the aspect ratio as closely as that allows (`smart_resize`), scaled to [0, 1] and normalised with CLIP's mean
+  and std;
+- cut into 14x14 patches, each repeated over 2 frames (temporal_patch_size: a still image is a two-frame clip),
+  ordered 2x2 block by 2x2 block so the tower's merger finds each block's patches next to each other: pixel values
+  [patches, 3 * 2 * 14 * 14] and the grid (1, rows, columns) in patches;
+- in the prompt, each image is one <|image_pad|> (between <|vision_start|> and <|vision_end|>, as the chat template
+  writes it) expanded to rows * columns / 4 placeholder tokens, which the tower's output replaces.
+Bad input (undecodable data, a remote URL offline, too many images, placeholders that do not match the images) is a
+RequestError naming the problem."""
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from qwenserve.config.errors import RequestError
+from qwenserve.config.model_config import VisionConfig
+
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+DEFAULT_MIN_PIXELS = 56 * 56
+DEFAULT_MAX_PIXELS = 28 * 28 * 1280  # transformers' default; published checkpoints set their own
+MAX_ASPECT_RATIO = 200
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """(height, width) rounded to multiples of factor, scaled into [min_pixels, max_pixels] if the rounding leaves
+    them outside (Qwen's rule, to the pixel)."""
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise RequestError(f"an image's aspect ratio must be below {MAX_ASPECT_RATIO}, got {width}x{height}",
+                           param="image")
+    h, w = round(height / factor) * factor, round(width / factor) * factor
+    if h * w > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h = max(factor, math.floor(height / beta / factor) * factor)
+        w = max(factor, math.floor(width / beta / factor) * factor)
+    elif h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+    return h, w
+
+
+@dataclass(frozen=True)
+class ProcessedImage:
+    pixel_values: np.ndarray  # float32 [patches, channels * temporal_patch * patch * patch]
+    grid: tuple[int, int, int]  # (t, rows, columns) in patches, as image_grid_thw
+    num_tokens: int  # placeholder tokens in the prompt: patches / merge_size ** 2
+    content_hash: bytes  # sha256 of the pixel values and grid: what the prefix cache and encoder cache key on
+
+
+class Qwen2VLProcessor:
+    def __init__(self, vision: VisionConfig, preprocessor_config: dict):
+        """preprocessor_config: the checkpoint's preprocessor_config.json ({} for Qwen's defaults)."""
+        cfg, size = preprocessor_config, preprocessor_config.get("size") or {}
+        self.vision = vision
+        self.min_pixels = cfg.get("min_pixels") or size.get("shortest_edge") or size.get("min_pixels") or DEFAULT_MIN_PIXELS
+        self.max_pixels = cfg.get("max_pixels") or size.get("longest_edge") or size.get("max_pixels") or DEFAULT_MAX_PIXELS
+        self.mean = np.asarray(cfg.get("image_mean", CLIP_MEAN), dtype=np.float32)
+        self.std = np.asarray(cfg.get("image_std", CLIP_STD), dtype=np.float32)
+        self.rescale = cfg.get("rescale_factor", 1 / 255)
+        for name, ours in (("patch_size", vision.patch_size), ("merge_size", vision.spatial_merge_size),
+                           ("temporal_patch_size", vision.temporal_patch_size)):
+            if cfg.get(name, ours) != ours:
+                raise ValueError(f"preprocessor_config.json's {name} ({cfg[name]}) differs from the vision "
+                                 f"config's ({ours})")
+
+    def process(self, image) -> ProcessedImage:
+        """A PIL image, a data: URL or image bytes -> its pixel values, grid and placeholder count."""
+        v = self.vision
+        factor = v.patch_size * v.spatial_merge_size
+        pil = to_rgb(load_image(image))
+        height, width = smart_resize(pil.height, pil.width, factor, self.min_pixels, self.max_pixels)
+        from PIL import Image
+        pil = pil.resize((width, height), resample=Image.Resampling.BICUBIC)
+        # as transformers: scaled in float64, stored in float32, normalised in float32
+        pixels = (np.asarray(pil).astype(np.float64) * self.rescale).astype(np.float32)
+        pixels = ((pixels - self.mean) / self.std).transpose(2, 0, 1)  # [channels, height, width]
+        patches, grid = _patchify(pixels, v.patch_size, v.spatial_merge_size, v.temporal_patch_size)
+        digest = hashlib.sha256(np.asarray(grid, dtype=np.int64).tobytes() + patches.tobytes()).digest()
+        return ProcessedImage(patches, grid, patches.shape[0] // v.merge_unit, digest)
+
+    def expand_placeholders(self, ids: list[int], images: list[ProcessedImage]) -> tuple[list[int], list[int]]:
+        """The prompt with each image's <|image_pad|> expanded to its placeholder count (a run already of that
+        length is kept), and where each image's placeholders start."""
+        pad = self.vision.image_token_id
+        runs = _runs_of(ids, pad)
+        if len(runs) != len(images):
+            raise RequestError(f"the prompt has {len(runs)} image placeholders (<|image_pad|>) for {len(images)} "
+                               f"images", param="multi_modal_data")
+        out, offsets, index = [], [], 0
+        for (start, length), image in zip(runs, images):
+            if length not in (1, image.num_tokens):
+                raise RequestError(f"image {len(offsets) + 1}'s placeholder run has {length} tokens; it needs 1 or "
+                                   f"{image.num_tokens} (its size in tokens)", param="multi_modal_data")
+            out += ids[index:start]
+            offsets.append(len(out))
+            out += [pad] * image.num_tokens
+            index = start + length
+        return out + ids[index:], offsets
+
+
+def _runs_of(ids: list[int], token: int) -> list[tuple[int, int]]:
+    """(start, length) of each run of token in ids."""
+    runs, i = [], 0
+    while i < len(ids):
+        if ids[i] == token:
+            j = i
+            while j < len(ids) and ids[j] == token:
+                j += 1
+            runs.append((i, j - i))
+            i = j
+        else:
+            i += 1
+    return runs
+
+
+def _patchify(pixels: np.ndarray, patch: int, merge: int, temporal: int) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """[channels, height, width] -> ([patches, channels * temporal * patch * patch], (1, rows, columns)): 2x2 blocks
+    in row-major order, row-major patches within a block, each patch channel-major and repeated over the frames."""
+    c, height, width = pixels.shape
+    rows, cols = height // patch, width // patch
+    blocks = pixels.reshape(c, rows // merge, merge, patch, cols // merge, merge, patch)
+    blocks = blocks.transpose(1, 4, 2, 5, 0, 3, 6)  # block row, block col, row in block, col in block, c, y, x
+    frames = np.broadcast_to(blocks[:, :, :, :, :, None], (*blocks.shape[:5], temporal, patch, patch))
+    return np.ascontiguousarray(frames.reshape(rows * cols, c * temporal * patch * patch)), (1, rows, cols)
+
+
+def load_image(source):
+    """A PIL image as given, or decoded from a data: URL or raw bytes; anything else is a RequestError."""
+    from PIL import Image, UnidentifiedImageError
+    if isinstance(source, Image.Image):
+        return source
+    if isinstance(source, str):
+        if source.startswith(("http://", "https://")):
+            raise RequestError("image URLs are not fetched here: pass a data: URL or a PIL image", param="image_url")
+        if not source.startswith("data:"):
+            raise RequestError(f"an image must be a data: URL or a PIL image, got a string starting "
+                               f"{source[:30]!r}", param="image_url")
+        header, _, payload = source.partition(",")
+        if not header.endswith(";base64"):
+            raise RequestError("an image data: URL must be base64 (data:image/png;base64,...)", param="image_url")
+        try:
+            source = base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            raise RequestError("an image data: URL holds invalid base64", param="image_url") from None
+    if isinstance(source, (bytes, bytearray)):
+        try:
+            image = Image.open(io.BytesIO(source))
+            image.load()
+            return image
+        except (UnidentifiedImageError, OSError, ValueError) as e:
+            raise RequestError(f"an image could not be decoded: {e}", param="image") from None
+    raise RequestError(f"an image must be a PIL image or a data: URL, got {type(source).__name__}", param="image")
+
+
+def to_rgb(image):
+    """RGB, with any transparency composited onto white (as transformers does)."""
+    from PIL import Image
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        image = image.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", image.size, (255, 255, 255, 255)), image).convert("RGB")
+    return image.convert("RGB")
+
+
+IMAGE_PART_TYPES = ("image_url", "image_pil", "image")
+
+
+def split_image_parts(messages: list[dict], placeholder: str | None) -> tuple[list[dict], list]:
+    """OpenAI-shaped chat messages whose content may be a list of parts ({"type": "text", "text": ...},
+    {"type": "image_url", "image_url": {"url": "data:..."}}, or {"type": "image_pil", "image_pil": <PIL image>})
+    -> messages with string content, each image part replaced by placeholder (the vision markers with one
+    <|image_pad|>, as Qwen2-VL's chat template writes it), and the images in order. placeholder None: the model is
+    text-only, and an image part is a RequestError."""
+    out, images = [], []
+    for m, message in enumerate(messages):
+        content = message.get("content")
+        if not isinstance(content, list):
+            out.append(message)
+            continue
+        text = []
+        for p, part in enumerate(content):
+            where = f"messages[{m}].content[{p}]"
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                text.append(part.get("text", ""))
+            elif kind in IMAGE_PART_TYPES:
+                if placeholder is None:
+                    raise RequestError(f"{where} is an image, but this model is text-only", param=where)
+                image = part.get(kind)
+                if kind == "image_url":
+                    image = image.get("url") if isinstance(image, dict) else image
+                if image is None:
+                    raise RequestError(f"{where} ({kind}) holds no image", param=where)
+                images.append(image)
+                text.append(placeholder)
+            else:
+                raise RequestError(f"{where} has type {kind!r}; supported: text, {', '.join(IMAGE_PART_TYPES)}",
+                                   param=where)
+        out.append({**message, "content": "".join(text)})
+    return out, images
+
+
+def image_placeholder(tokenizer, vision: VisionConfig) -> str:
+    """<|vision_start|><|image_pad|><|vision_end|> in this tokenizer's spelling."""
+    return "".join(tokenizer.convert_ids_to_tokens([vision.vision_start_token_id, vision.image_token_id,
+                                                     vision.vision_end_token_id]))

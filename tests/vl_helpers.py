@@ -1,0 +1,112 @@
+"""Tiny random Qwen2-VL and Qwen2.5-VL checkpoints made with transformers' own classes (config, model, image
+processor), and the reference's greedy tokens for prompts with images."""
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+
+import numpy as np
+import torch
+
+from helpers import SPECIAL_TOKENS, tiny_tokenizer, tiny_vocab
+
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+VL_SPECIALS = SPECIAL_TOKENS + VISION_TOKENS
+IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+MIN_PIXELS, MAX_PIXELS = 56 * 56, 28 * 28 * 48  # images of 4 to 48 tokens
+ARCHITECTURES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
+
+
+def vl_token_ids() -> dict[str, int]:
+    tokens = tiny_vocab(320, VL_SPECIALS)[0]
+    return {"image_token_id": tokens.index("<|image_pad|>"), "video_token_id": tokens.index("<|video_pad|>"),
+            "vision_start_token_id": tokens.index("<|vision_start|>"),
+            "vision_end_token_id": tokens.index("<|vision_end|>"),
+            "eos_token_id": tokens.index("<|im_end|>"), "bos_token_id": tokens.index("<|endoftext|>")}
+
+
+def tiny_hf_vl_model(kind: str = "qwen2_vl", seed: int = 0):
+    """A random Qwen2-VL (or Qwen2.5-VL: windows of 2x2 merged tokens, blocks 1 and 3 over the whole image), float32,
+    with non-trivial norms and biases."""
+    import transformers
+    ids = vl_token_ids()
+    text = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6,
+                eos_token_id=ids["eos_token_id"], bos_token_id=ids["bos_token_id"],
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    tokens = {k: v for k, v in ids.items() if k not in ("eos_token_id", "bos_token_id")}
+    if kind == "qwen2_vl":
+        vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2)
+        config = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, **tokens)
+        cls = transformers.Qwen2VLForConditionalGeneration
+    else:
+        vision = dict(depth=4, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, window_size=56,
+                      fullatt_block_indexes=[1, 3])
+        config = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **tokens)
+        cls = transformers.Qwen2_5_VLForConditionalGeneration
+    torch.manual_seed(seed)
+    model = cls(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", "norm1.weight", "norm2.weight", "ln_q.weight")):
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+            else:
+                p.copy_(0.08 * torch.randn_like(p))
+    model.generation_config.eos_token_id = ids["eos_token_id"]
+    model.generation_config.pad_token_id = ids["eos_token_id"]
+    return model
+
+
+def hf_image_processor():
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    return Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+
+
+def save_hf_vl_dir(model, path: str) -> str:
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    tiny_tokenizer(320, VL_SPECIALS).save_pretrained(path)
+    hf_image_processor().save_pretrained(path)
+    ids = vl_token_ids()
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": ids["eos_token_id"], "bos_token_id": ids["bos_token_id"]}, f)
+    return path
+
+
+def random_image(height: int, width: int, seed: int = 0):
+    from PIL import Image
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def data_url(image) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def hf_greedy(hf, tokenizer, text: str, images: list, max_new_tokens: int) -> list[int]:
+    """transformers' own pipeline: its image processor, placeholders expanded as its processor does, its generate."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    kwargs = {}
+    if images:
+        processed = hf_image_processor()(images=images, return_tensors="pt")
+        pad, grids = hf.config.image_token_id, processed["image_grid_thw"]
+        expanded, k = [], 0
+        for t in ids:
+            if t == pad:
+                expanded += [pad] * int(grids[k].prod() // 4)
+                k += 1
+            else:
+                expanded.append(t)
+        ids = expanded
+        kwargs = dict(pixel_values=processed["pixel_values"], image_grid_thw=grids,
+                      mm_token_type_ids=(torch.tensor([ids]) == pad).int())
+    input_ids = torch.tensor([ids])
+    with torch.no_grad():
+        out = hf.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                          max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, **kwargs)
+    return out[0, len(ids):].tolist()
