@@ -15,6 +15,7 @@ from qwenserve.config.environment import env_defaults
 from qwenserve.config.errors import ConfigError
 from qwenserve.config.model_config import resolve_kv_cache_dtype
 from qwenserve.config.resolved_model import ResolvedModel
+from qwenserve.config.speculative_config import SpeculativeConfig
 from qwenserve.config.tuning import this_cpu_tuning
 
 GiB = 1 << 30
@@ -227,9 +228,19 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     record_logits: bool = setting(False, "keep each sampled step's logits on the outputs (for compare and "
                                          "debugging; costly: full-vocabulary rows leave the worker)")
+    speculative_config: SpeculativeConfig | None = setting(
+        None, "speculative decoding, as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+              "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5} proposes up to 4 tokens a step by finding the "
+              "sequence's last n-gram earlier in it; each is verified exactly (greedy output unchanged, sampling "
+              "keeps the model's distribution). Optional keys: disable_by_batch_size (no proposals while more "
+              "sequences run; default 8), min_acceptance_rate (a sequence whose drafts are accepted less often "
+              "pauses proposing; default 0.2) (default: off)", type=str)
     # not a setting: what `load` resolves to, filled in once by the engine before its workers start (they read
     # the checkpoint, dtype, context length and quantization from here)
     resolved_model: ResolvedModel | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
 
     SECTIONS = {"load": LoadConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig}
 
