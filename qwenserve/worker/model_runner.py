@@ -1,6 +1,8 @@
 """Runs one scheduled step: the flat batch through the model, logits only for the rows that need them (the
-last position of each sequence that takes a token, plus the prompt positions of a request that asked for
-prompt logprobs), then sampling. What leaves is a ModelRunnerOutput: token ids and requested logprobs."""
+last position of each sequence that takes a token, or with speculative decoding its last k + 1 positions, plus
+the prompt positions of a request that asked for prompt logprobs), then sampling, or verification of the drafts
+(sample/rejection_sampler.py), then new drafts where the scheduler asked for them. What leaves is a
+ModelRunnerOutput: token ids, requested logprobs and drafts."""
 from __future__ import annotations
 
 import torch
@@ -9,8 +11,10 @@ from qwenserve.core.step import GrammarBitmask, ModelRunnerOutput, SchedulerOutp
 from qwenserve.model.interface import CausalLM
 from qwenserve.model.layers.attention import AttentionMetadata, PagedKVCache, PrefillSpan, decode_kernel_available
 from qwenserve.sample.logprobs import top_logprobs
+from qwenserve.sample.rejection_sampler import RejectionSampler, VerifiedTokens
 from qwenserve.sample.sampler import Sampler
-from qwenserve.worker.input_batch import InputBatch, PromptChunk
+from qwenserve.spec_decode.ngram_proposer import NgramProposer
+from qwenserve.worker.input_batch import InputBatch, ModelInputs, PromptChunk
 
 
 @torch.inference_mode()
@@ -30,13 +34,16 @@ def full_logits(model: CausalLM, token_ids: list[int]) -> torch.Tensor:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_cache: PagedKVCache, device: torch.device | str = "cpu",
-                 record_logits: bool = False):
+                 record_logits: bool = False, proposer: NgramProposer | None = None):
+        """proposer: drafts for speculative decoding; None: off."""
         self.model = model
         self.kv_cache = kv_cache
         self.device = torch.device(device)
         self.input_batch = InputBatch(kv_cache.block_size, self.device, decode_kernel_available(self.device))
         # sampling runs on the host: per-request generators and small per-row ops (logits are copied there)
         self.sampler = Sampler("cpu")
+        self.rejection_sampler = RejectionSampler(self.sampler)
+        self.proposer = proposer
         self.record_logits = record_logits
 
     @torch.inference_mode()
@@ -56,16 +63,40 @@ class ModelRunner:
         if inputs.sampling_seqs:
             # the sequences' token lists grow when the scheduler sends these tokens back (step.py)
             logits = self.model.compute_logits(hidden[inputs.sample_rows]).cpu()
-            grammar = _grammar_rows(scheduler_output.grammar_bitmask, inputs.sampling_seqs)
-            sampled = self.sampler(logits, inputs.sampling_seqs, grammar)
-            out.seq_ids = [seq.seq_id for seq in inputs.sampling_seqs]
-            out.sampled_token_ids = sampled.token_ids
-            out.logprobs = sampled.logprobs
+            taken = self._sample(logits, inputs, scheduler_output.grammar_bitmask)
             if self.record_logits:
-                out.logits = list(logits.float())
+                out.logits = []
+            for seq, tokens, logprobs, rows in zip(inputs.sampling_seqs, taken.token_ids, taken.logprobs, taken.rows):
+                out.seq_ids += [seq.seq_id] * len(tokens)
+                out.sampled_token_ids += tokens
+                out.logprobs += logprobs
+                if self.record_logits:
+                    out.logits += [logits[row].float() for row in rows]
+                num_drafts = scheduler_output.num_draft_tokens_to_propose.get(seq.seq_id)
+                if num_drafts and self.proposer is not None:
+                    drafts = self.proposer.propose(seq.token_ids + tokens, num_drafts)
+                    if drafts:
+                        out.draft_token_ids[seq.seq_id] = drafts
         for chunk in inputs.prompt_chunks:
             out.prompt_logprobs[chunk.seq.seq_id] = (chunk.first_position + 1, self._prompt_logprobs(hidden, chunk))
         return out
+
+    def _sample(self, logits: torch.Tensor, inputs: ModelInputs, grammar: GrammarBitmask | None) -> VerifiedTokens:
+        """The tokens each sampling sequence takes: one, or with drafts to verify, the accepted ones and one more."""
+        seqs, drafts = inputs.sampling_seqs, inputs.draft_token_ids
+        first_rows, row = {}, 0
+        for seq, draft in zip(seqs, drafts):
+            first_rows[seq.seq_id] = row
+            row += len(draft) + 1
+        constrained = set(grammar.seq_ids) if grammar is not None else set()
+        if any(draft for seq, draft in zip(seqs, drafts) if seq.seq_id in constrained):
+            raise RuntimeError("a constrained sequence brought drafts: its grammar masks one token a step")
+        grammar_rows = _grammar_rows(grammar, first_rows)
+        if any(drafts):
+            return self.rejection_sampler(logits, seqs, drafts, grammar_rows)
+        sampled = self.sampler(logits, seqs, grammar_rows)
+        return VerifiedTokens([[t] for t in sampled.token_ids], [[lp] for lp in sampled.logprobs],
+                              [[i] for i in range(len(seqs))])
 
     def _prompt_logprobs(self, hidden: torch.Tensor, chunk: PromptChunk) -> list:
         """Entries for the prompt tokens this chunk predicts: row i predicts the token at first_position + i + 1
@@ -80,11 +111,11 @@ class ModelRunner:
         return top_logprobs(logprobs, torch.tensor(targets), seq.params.prompt_logprobs)
 
 
-def _grammar_rows(grammar: GrammarBitmask | None, sampling_seqs: list) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The step's grammar bitmask as the sampler takes it: (the rows of the constrained sequences, their masks)."""
+def _grammar_rows(grammar: GrammarBitmask | None, row_of: dict[int, int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The step's grammar bitmask as the sampler takes it: (the rows of the constrained sequences, their masks).
+    row_of: each sampling sequence's (first) logits row."""
     if grammar is None:
         return None
-    row_of = {seq.seq_id: i for i, seq in enumerate(sampling_seqs)}
     missing = [seq_id for seq_id in grammar.seq_ids if seq_id not in row_of]
     if missing:  # the engine and this worker disagree on who samples: sampling unmasked would break the grammar
         raise RuntimeError(f"grammar bitmask rows for sequences {missing} that take no token this step")
