@@ -479,3 +479,13 @@ def test_sampled_distribution_is_the_models(tiny):
     assert chi_square_p_value(second_counts, shifted) < 0.001, "the test could not see a 2% shift"
     verified = [v for vs in seen.values() for v in vs]
     assert any(a > 0 for _, a in verified) and any(a < d for d, a in verified)
+
+
+def test_counters_reach_metrics(spec):
+    from qwenserve.entrypoints.openai.metrics import ServerMetrics
+    generate(spec, repeating_prompts(seed=5)[:2], max_tokens=24, **GREEDY)
+    stats = spec.engine.stats()
+    assert stats["spec_num_accepted_tokens"] > 0
+    text = ServerMetrics().render(stats).decode()
+    for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        assert f"qwenserve_spec_decode_{key}_total {float(stats['spec_' + key])}" in text
