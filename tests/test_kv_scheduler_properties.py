@@ -4,7 +4,9 @@ SchedulerOutput deltas only) equal to the scheduler's, keep reference counts equ
 leave every block free or cached when nothing is live, and touch no more distinct blocks (the cache's resident
 memory) than the peak in use allows. No model runs: a step 'computes' what it scheduled. With two steps in
 flight (pipeline parallel), no sequence is in both, and none in flight is preempted. With LoRA adapters, the
-running sequences never use more than max_loras of them, and requests waiting for a slot still finish."""
+running sequences never use more than max_loras of them, and requests waiting for a slot still finish. With
+speculative decoding the fake worker proposes random drafts and accepts a random number of them; no block holding
+a draft is ever cached."""
 import random
 from collections import deque
 
@@ -16,6 +18,7 @@ from qwenserve.config.engine_config import SchedulerConfig
 from qwenserve.core.kv_cache_manager import KVCacheManager
 from qwenserve.core.request import Sequence, Status
 from qwenserve.core.scheduler import Scheduler
+from qwenserve.core.speculation import Speculation
 from qwenserve.core.step import ModelRunnerOutput
 from qwenserve.lora.request import LoRARequest
 from qwenserve.sample.sampling_params import SamplingParams
@@ -38,9 +41,10 @@ class Harness:
     """The scheduler and KV manager driven through their step contract, with a fake worker that keeps block
     tables from the SchedulerOutput deltas alone (as the real one does) and samples random tokens."""
 
-    def __init__(self, num_blocks, budget, max_seqs, prefix_caching, concurrent=1, max_loras=None):
+    def __init__(self, num_blocks, budget, max_seqs, prefix_caching, concurrent=1, max_loras=None, num_spec_tokens=0):
         self.kv = KVCacheManager(num_blocks, BLOCK, prefix_caching)
-        self.sched = Scheduler(self.kv, max_seqs, budget, concurrent, PIPELINED_STEP_TOKENS, max_loras)
+        speculation = Speculation(num_spec_tokens, max_model_len=1000) if num_spec_tokens else None
+        self.sched = Scheduler(self.kv, max_seqs, budget, concurrent, PIPELINED_STEP_TOKENS, max_loras, speculation)
         self.worker_adapters: dict[int, LoRARequest | None] = {}
         self.requests: dict[str, list[Sequence]] = {}
         self.worker_tables: dict[int, list[int]] = {}
@@ -93,11 +97,18 @@ class Harness:
         runner_out = ModelRunnerOutput()
         for seq_id in sampling:
             if seq_id in by_id:
-                runner_out.seq_ids.append(seq_id)
-                runner_out.sampled_token_ids.append(self.rng.randrange(50))
+                drafts = out.spec_token_ids.get(seq_id, [])
+                taken = drafts[:self.rng.randint(0, len(drafts))] + [self.rng.randrange(50)]
+                runner_out.seq_ids += [seq_id] * len(taken)
+                runner_out.sampled_token_ids += taken
+                if seq_id in out.num_draft_tokens_to_propose:
+                    num = self.rng.randint(0, out.num_draft_tokens_to_propose[seq_id])
+                    runner_out.draft_token_ids[seq_id] = [self.rng.randrange(50) for _ in range(num)]
         ran = self.sched.update_from_output(out, runner_out)
         assert [s.seq_id for s in ran] == [i for i in out.num_scheduled_tokens if i in by_id]
-        self.sched.finish([by_id[i] for i in runner_out.seq_ids
+        for i in runner_out.seq_ids:
+            assert by_id[i].num_output_tokens <= by_id[i].params.max_tokens, "drafts went past max_tokens"
+        self.sched.finish([by_id[i] for i in dict.fromkeys(runner_out.seq_ids)
                            if by_id[i].num_output_tokens >= by_id[i].params.max_tokens])
         self._drop_finished()
 
@@ -123,6 +134,10 @@ class Harness:
         sampling = []
         for seq_id, n in out.num_scheduled_tokens.items():
             seq = by_id[seq_id]
+            drafts = len(out.spec_token_ids.get(seq_id, ()))
+            assert not drafts or seq.num_tokens - seq.num_computed_tokens == 1, "drafts for a sequence not decoding"
+            assert len(seq.block_table) * BLOCK >= seq.num_computed_tokens + n, "no cache slots for the drafts"
+            n -= drafts
             assert seq_id not in earlier, "a sequence is in two steps in flight"
             assert seq.status == Status.RUNNING
             assert n >= 1 and seq.num_computed_tokens + n <= seq.num_tokens
@@ -150,6 +165,11 @@ class Harness:
 
     def check(self):
         self.kv.check_invariants(self.live())
+        for seq in self.live():  # every block registered in the prefix cache holds the sequence's own tokens
+            assert seq.num_registered_blocks * BLOCK <= seq.num_tokens
+            fresh = Sequence(0, "", 0, seq.token_ids, seq.num_prompt_tokens, seq.params, cache_salt=seq.cache_salt)
+            self.kv._hash_blocks(fresh, seq.num_registered_blocks)
+            assert seq.block_hashes[:seq.num_registered_blocks] == fresh.block_hashes
         # a fresh block is touched only when no used block is free (without prefix caching), or while the free
         # ones, all cached, are fewer than the peak in use: the touched ids follow the peak
         assert self.kv.peak_live == self.peak_live_blocks
@@ -174,7 +194,22 @@ class Harness:
        max_loras=st.sampled_from([None, 1, 2]))
 def test_random_operations_keep_blocks_consistent(ops, num_blocks, budget, max_seqs, prefix_caching, concurrent,
                                                   max_loras):
-    h = Harness(num_blocks, budget, max_seqs, prefix_caching, concurrent, max_loras)
+    run_random_operations(Harness(num_blocks, budget, max_seqs, prefix_caching, concurrent, max_loras), ops)
+
+
+@pytest.mark.slow
+@settings(max_examples=150, deadline=None)
+@given(ops=st.lists(op, min_size=15, max_size=60), num_blocks=st.integers(8, 24), budget=st.integers(1, 48),
+       max_seqs=st.integers(2, 6), prefix_caching=st.booleans(), concurrent=st.sampled_from([1, 2]),
+       num_spec_tokens=st.integers(1, 5))
+def test_random_operations_with_speculation_keep_blocks_consistent(ops, num_blocks, budget, max_seqs, prefix_caching,
+                                                                   concurrent, num_spec_tokens):
+    h = Harness(num_blocks, budget, max_seqs, prefix_caching, concurrent, num_spec_tokens=num_spec_tokens)
+    run_random_operations(h, ops)
+    event(f"drafts accepted: {h.sched.speculation.stats.num_accepted_tokens > 0}")
+
+
+def run_random_operations(h: Harness, ops) -> None:
     for o in ops:
         if o[0] == "add":
             h.add(*o[1:])

@@ -19,6 +19,7 @@ LAYERS = [
     ("distributed",),  # process groups and collectives: what the model layers call, not the model
     ("model",),
     ("sample", "lora"),  # lora: adapters over the model's layers; its request type is plain data core carries
+    ("spec_decode",),  # draft proposers (speculative decoding), run by the worker
     ("core",),
     ("worker",),
     ("executor",),

@@ -15,6 +15,7 @@ from qwenserve.config.environment import env_defaults
 from qwenserve.config.errors import ConfigError
 from qwenserve.config.model_config import resolve_kv_cache_dtype
 from qwenserve.config.resolved_model import ResolvedModel
+from qwenserve.config.speculative_config import SpeculativeConfig
 from qwenserve.config.tuning import this_cpu_tuning
 
 GiB = 1 << 30
@@ -299,6 +300,13 @@ class EngineConfig:
     multimodal: MultiModalConfig = field(default_factory=MultiModalConfig)
     record_logits: bool = setting(False, "keep each sampled step's logits on the outputs (for compare and "
                                          "debugging; costly: full-vocabulary rows leave the worker)")
+    speculative_config: SpeculativeConfig | None = setting(
+        None, "speculative decoding, as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+              "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5} proposes up to 4 tokens a step by finding the "
+              "sequence's last n-gram earlier in it; each is verified exactly (greedy output unchanged, sampling "
+              "keeps the model's distribution). Optional keys: disable_by_batch_size (no proposals while more "
+              "sequences run; default 8), min_acceptance_rate (a sequence whose drafts are accepted less often "
+              "pauses proposing; default 0.2) (default: off)", type=str)
     # not a setting: what `load` resolves to, filled in once by the engine before its workers start (they read
     # the checkpoint, dtype, context length and quantization from here)
     resolved_model: ResolvedModel | None = None
@@ -307,6 +315,7 @@ class EngineConfig:
                 "lora": LoRAConfig, "multimodal": MultiModalConfig}
 
     def __post_init__(self):
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.lora.enable_lora and self.parallel.data_parallel_size > 1:
             # the router would have to check adapters and keep each adapter's prefixes apart; not built yet
             raise ConfigError(f"enable_lora runs without data parallelism for now: data_parallel_size is "

@@ -128,7 +128,8 @@ class KVCacheManager:
                 seq.num_cached_tokens = computed
                 self.hits += computed
         if self.enable_prefix_caching:
-            self._cache_full_blocks(seq, total)
+            # tokens past the sequence's own are drafts (speculative decoding), maybe rejected: never cached
+            self._cache_full_blocks(seq, min(total, seq.num_tokens))
         return True
 
     def _pop_free_block(self) -> int:

@@ -38,6 +38,10 @@ class Sequence:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     fork_children: list[Sequence] = field(default_factory=list)  # siblings waiting for this prompt's blocks
+    # speculative decoding (core/speculation.py): the worker's guesses of the next tokens, verified next step
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_acceptance: float = 1.0  # recent fraction of its drafts accepted
+    spec_pause: int = 0  # steps left without proposals, after its drafts were rarely accepted
 
     @property
     def lora_int_id(self) -> int:

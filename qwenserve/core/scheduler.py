@@ -12,26 +12,35 @@ that a sequence ends (stop tokens, lengths, stop strings) is the engine's; it ca
 Under pipeline parallelism the engine keeps up to `max_concurrent_batches` steps in flight (one per stage).
 A sequence sits in at most one of them: later schedules skip it until its output is back, never preempt it,
 and each batch takes about an equal share of the sequences, so every stage has work.
+
+With speculative decoding (core/speculation.py) a decoding sequence also computes the drafts the worker proposed
+for it after its last step (their cache slots allocated like its own token's); it advances by the drafts accepted
+only, so a rejected draft's slot is written again by the next step. Short of blocks, drafts go before anyone is
+preempted for them.
 """
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import Counter, deque
 
 from qwenserve.core.kv_cache_manager import KVCacheManager
 from qwenserve.core.request import Sequence, Status
+from qwenserve.core.speculation import Speculation
 from qwenserve.core.step import CachedSequenceData, ModelRunnerOutput, NewSequenceData, SchedulerOutput
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_concurrent_batches: int = 1, pipelined_step_tokens: int | None = None,
-                 max_loras: int | None = None):
+                 max_loras: int | None = None, speculation: Speculation | None = None):
         """pipelined_step_tokens: with several steps in flight, the most tokens one step takes (SchedulerConfig's;
         a prefill step's first stage runs while the later ones wait for it and its last while the earlier ones
         have nothing more, so smaller steps shorten that fill and drain); None: the whole budget.
-        max_loras: the most distinct adapters the running sequences may use (the worker's slots); None: no limit."""
+        max_loras: the most distinct adapters the running sequences may use (the worker's slots); None: no limit.
+        speculation: speculative decoding's policy and counters; None: off."""
         self.kv = kv
         self.max_loras = max_loras
+        self.speculation = speculation
+        self._speculating = False  # this schedule() verifies and asks for drafts: speculation on, batch not too large
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.step_tokens = (max_num_batched_tokens if max_concurrent_batches == 1 or pipelined_step_tokens is None
@@ -60,6 +69,8 @@ class Scheduler:
         budget = self.step_tokens
         seats = self._batch_seats()
         memory_tight = False
+        # speculation steps aside for large batches (core/speculation.py)
+        self._speculating = self.speculation is not None and self.speculation.batch_allows(len(self.running))
         i = 0
         while i < len(self.running) and budget > 0 and seats > 0:
             seq = self.running[i]
@@ -67,9 +78,13 @@ class Scheduler:
                 i += 1
                 continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            drafts = self.speculation.drafts_to_verify(seq, budget) if self._speculating else []
             scheduled = True
-            while not self.kv.allocate(seq, n):
+            while not self.kv.allocate(seq, n + len(drafts)):
                 memory_tight = True
+                if drafts:  # no one is preempted for drafts
+                    drafts = []
+                    continue
                 victim = self._preemption_victim(i)
                 if victim is None:  # only newer sequences could give way, and they are in flight: wait for them
                     scheduled = False
@@ -81,8 +96,8 @@ class Scheduler:
                     scheduled = False
                     break
             if scheduled:
-                self._add_to_batch(out, seq, n)
-                budget -= n
+                self._add_to_batch(out, seq, n, drafts)
+                budget -= n + len(drafts)
                 seats -= 1
                 i += 1
         if memory_tight:
@@ -135,7 +150,7 @@ class Scheduler:
                 return seq
         return None if newer else self.running[i]
 
-    def _add_to_batch(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
+    def _add_to_batch(self, out: SchedulerOutput, seq: Sequence, n: int, drafts: list[int] = ()) -> None:
         sent = self._blocks_sent.get(seq.seq_id)
         if sent is None:
             out.new_seqs.append(NewSequenceData(seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens, seq.params,
@@ -148,20 +163,32 @@ class Scheduler:
                                                       resumed_from_preemption=sent == 0))
         self._blocks_sent[seq.seq_id] = len(seq.block_table)
         self._tokens_sent[seq.seq_id] = seq.num_tokens
-        out.num_scheduled_tokens[seq.seq_id] = n
+        out.num_scheduled_tokens[seq.seq_id] = n + len(drafts)
+        if drafts:
+            out.spec_token_ids[seq.seq_id] = list(drafts)
+        if self._speculating and seq.num_computed_tokens + n == seq.num_tokens:  # it takes a token this step
+            num_to_propose = self.speculation.num_to_propose(seq)
+            if num_to_propose:
+                out.num_draft_tokens_to_propose[seq.seq_id] = num_to_propose
         self.in_flight.add(seq.seq_id)
         self._finished_ids = set()  # out holds the old set
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[Sequence]:
-        """Advance each scheduled sequence by the tokens it computed and append what it sampled; start the
-        siblings of an n > 1 request once its prompt is done. Returns the scheduled sequences still live."""
+        """Advance each scheduled sequence by the tokens it computed (its accepted drafts only) and append what it
+        sampled; keep the drafts proposed for its next step; start the siblings of an n > 1 request once its prompt
+        is done. Returns the scheduled sequences still live."""
         ran = []
+        num_taken = Counter(runner_output.seq_ids)
         for seq_id, n in scheduler_output.num_scheduled_tokens.items():
             self.in_flight.discard(seq_id)
             seq = self._live.get(seq_id)
             if seq is not None:  # else ended while its step ran
+                drafts = scheduler_output.spec_token_ids.get(seq_id)
+                if drafts:
+                    n -= self.speculation.record(seq, len(drafts), num_taken[seq_id])
                 seq.num_computed_tokens += n
+                seq.spec_token_ids = runner_output.draft_token_ids.get(seq_id, [])
                 ran.append(seq)
         for seq_id, token in zip(runner_output.seq_ids, runner_output.sampled_token_ids):
             seq = self._live.get(seq_id)
@@ -194,6 +221,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free_sequence(seq)
+        seq.spec_token_ids = []  # it prefills again first
         seq.num_preemptions += 1
         if seq.seq_id in self._blocks_sent:
             self._blocks_sent[seq.seq_id] = 0  # the worker keeps its tokens and generator; its blocks are gone

@@ -61,6 +61,11 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[int, int] = field(default_factory=dict)  # seq id -> tokens, in batch order
     finished_seq_ids: set[int] = field(default_factory=set)  # ended since the last step: the worker forgets them
     grammar_bitmask: GrammarBitmask | None = None  # None: no sequence that samples this step is constrained
+    # speculative decoding: seq id -> the draft tokens this step verifies, the last len() of its scheduled tokens
+    # (they are not the sequence's tokens yet); and seq id -> how many drafts the worker proposes for it once it
+    # takes this step's tokens (absent: none)
+    spec_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    num_draft_tokens_to_propose: dict[int, int] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -73,7 +78,8 @@ class SchedulerOutput:
 
 @dataclass
 class ModelRunnerOutput:
-    # sequences that reached their last known token this step and took a new one, in batch order
+    # one row per token taken, in batch order: each sequence that reached its last known token took a new one; one
+    # that verified drafts took the drafts accepted and then one more, in consecutive rows
     seq_ids: list[int] = field(default_factory=list)
     sampled_token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)  # per sampled row, if asked for
@@ -81,3 +87,4 @@ class ModelRunnerOutput:
     # for requests that asked for prompt_logprobs
     prompt_logprobs: dict[int, tuple[int, list[dict[int, Logprob]]]] = field(default_factory=dict)
     logits: list | None = None  # per sampled row, float32 [vocab]: only with EngineConfig.record_logits
+    draft_token_ids: dict[int, list[int]] = field(default_factory=dict)  # seq id -> drafts for its next step

@@ -199,8 +199,12 @@ class DataParallelEngine:
         live = [s for s in per_replica if s["alive"]] or per_replica
         total = {key: sum(s[key] for s in live) for key in ("running", "waiting", "aborted", "free_blocks",
                                                             "num_blocks", "prefix_hit_tokens", "prefix_query_tokens",
-                                                            "weights_bytes", "kv_reserved_bytes", "kv_touched_bytes")}
+                                                            "weights_bytes", "kv_reserved_bytes", "kv_touched_bytes",
+                                                            "spec_num_drafts", "spec_num_draft_tokens",
+                                                            "spec_num_accepted_tokens")}
         total["kv_usage"] = 1 - total["free_blocks"] / total["num_blocks"] if total["num_blocks"] else 0.0
         queries = total["prefix_query_tokens"]
         total["hit_rate"] = total["prefix_hit_tokens"] / queries if queries else 0.0
+        drafts = total["spec_num_drafts"]
+        total["spec_mean_acceptance_length"] = 1 + total["spec_num_accepted_tokens"] / drafts if drafts else 0.0
         return total | {"replicas": per_replica, "prefix_routed": self.num_prefix_routed}

@@ -15,6 +15,7 @@ from qwenserve.config.errors import RequestError
 from qwenserve.core.kv_cache_manager import KVCacheManager
 from qwenserve.core.request import Sequence
 from qwenserve.core.scheduler import Scheduler
+from qwenserve.core.speculation import Speculation, SpeculationStats
 from qwenserve.core.step import SchedulerOutput
 from qwenserve.engine.input_processor import InputProcessor, ProcessedRequest
 from qwenserve.engine.output_processor import OutputProcessor
@@ -81,9 +82,12 @@ class LLMEngine:
                     self.weights_bytes, self.weights_bytes / GiB, self.kv.num_blocks, self.kv.reserved_bytes,
                     self.kv.reserved_bytes / GiB)
         lora = config.lora
+        spec = config.speculative_config
+        speculation = None if spec is None else Speculation(spec.num_speculative_tokens, self.max_model_len,
+                                                            spec.disable_by_batch_size, spec.min_acceptance_rate)
         self.scheduler = Scheduler(self.kv, config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
                                    self.executor.max_concurrent_batches, config.scheduler.pipelined_step_tokens,
-                                   lora.max_loras if lora.enable_lora else None)
+                                   lora.max_loras if lora.enable_lora else None, speculation)
         self._in_flight: deque[SchedulerOutput] = deque()  # submitted steps, oldest first
         eos_token_ids = frozenset(resolved.stop_token_ids(self.tokenizer))
         self.adapters = AdapterRegistry(resolved.config, lora.max_lora_rank) if lora.enable_lora else None
@@ -242,12 +246,18 @@ class LLMEngine:
 
     def stats(self) -> dict:
         kv = self.kv
+        speculation = self.scheduler.speculation
+        spec = speculation.stats if speculation is not None else SpeculationStats()
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "kv_usage": kv.usage, "hit_rate": kv.hits / kv.queries if kv.queries else 0.0,
                 "prefix_hit_tokens": kv.hits, "prefix_query_tokens": kv.queries,
                 "aborted": self.num_aborted, "free_blocks": kv.num_free_blocks, "num_blocks": kv.num_blocks,
                 "weights_bytes": self.weights_bytes, "kv_reserved_bytes": kv.reserved_bytes,
-                "kv_touched_bytes": kv.touched_bytes}
+                "kv_touched_bytes": kv.touched_bytes,
+                # speculative decoding (zeros when off): verifications, drafts verified, drafts accepted
+                "spec_num_drafts": spec.num_drafts, "spec_num_draft_tokens": spec.num_draft_tokens,
+                "spec_num_accepted_tokens": spec.num_accepted_tokens,
+                "spec_mean_acceptance_length": spec.mean_acceptance_length}
 
 
 def make_executor(config: EngineConfig, replica_rank: int = 0) -> Executor:

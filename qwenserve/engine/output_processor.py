@@ -82,12 +82,20 @@ class OutputProcessor:
             if seq.index == 0 and position <= len(lps):  # a recomputed chunk (after preemption) adds nothing new
                 lps.extend(entries[len(lps) - position:])
         finished = []
+        rows: dict[int, list[int]] = {}  # seq id -> its rows: several where it verified drafts
         for i, seq_id in enumerate(runner_output.seq_ids):
+            rows.setdefault(seq_id, []).append(i)
+        for seq_id, seq_rows in rows.items():
             seq = self._seqs[seq_id]
-            logits = runner_output.logits[i] if runner_output.logits is not None else None
-            if self._add_token(seq, runner_output.sampled_token_ids[i], runner_output.logprobs[i], logits, now,
-                               seq_id in grammar_complete):
-                finished.append(seq)
+            before = seq.num_output_tokens - len(seq_rows)  # the scheduler has appended all of them
+            for j, i in enumerate(seq_rows):
+                logits = runner_output.logits[i] if runner_output.logits is not None else None
+                if self._add_token(seq, before + j + 1, runner_output.sampled_token_ids[i], runner_output.logprobs[i],
+                                   logits, now, seq_id in grammar_complete):
+                    # accepted drafts past a stop or a length limit are not output
+                    del seq.token_ids[seq.num_tokens - (len(seq_rows) - j - 1):]
+                    finished.append(seq)
+                    break
         outputs = [self._output(req) for req in touched.values()]
         for req in touched.values():
             if req.finished:
@@ -95,9 +103,10 @@ class OutputProcessor:
                 self._forget(req)
         return outputs, finished
 
-    def _add_token(self, seq: Sequence, token: int, logprobs: dict[int, Logprob] | None, logits, now: float,
-                   grammar_complete: bool = False) -> bool:
-        """Record seq's new token (already appended to seq.token_ids); True if it ends the sequence."""
+    def _add_token(self, seq: Sequence, num_output_tokens: int, token: int, logprobs: dict[int, Logprob] | None,
+                   logits, now: float, grammar_complete: bool = False) -> bool:
+        """Record seq's new token, its num_output_tokens-th (already appended to seq.token_ids, maybe with more
+        after it); True if it ends the sequence."""
         req = self.requests[seq.request_id]
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
@@ -110,7 +119,7 @@ class OutputProcessor:
         delta = sample.detokenizer.add(token)
         sample.text += delta
         p = seq.params
-        may_stop = seq.num_output_tokens >= p.min_tokens
+        may_stop = num_output_tokens >= p.min_tokens
         if may_stop and not p.ignore_eos and token in p.eos_token_ids:
             sample.finish_reason = "stop"
         elif may_stop and token in p.stop_token_ids:
@@ -121,7 +130,7 @@ class OutputProcessor:
             sample.finish_reason, sample.stop_reason = "stop", stop
         elif grammar_complete:  # the grammar allows nothing more (min_tokens cannot make it)
             sample.finish_reason = "stop"
-        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif num_output_tokens >= p.max_tokens or seq.num_prompt_tokens + num_output_tokens >= self.max_model_len:
             sample.finish_reason = "length"
         return sample.finished
 

@@ -72,12 +72,15 @@ class ModelInputs:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]; [3, T] for M-RoPE
     attn_metadata: AttentionMetadata
-    sample_rows: torch.Tensor  # rows whose logits pick each sampling sequence's next token
+    sample_rows: torch.Tensor  # rows whose logits pick each sampling sequence's next token(s)
     sampling_seqs: list[SequenceState]  # sequences that reached their last known token: they take a new one
     prompt_chunks: list[PromptChunk] = field(default_factory=list)
     # (first row, end row, adapter) of each sequence that runs with an adapter, for the step's LoRABatch
     lora_spans: list[tuple[int, int, LoRARequest]] = field(default_factory=list)
     image_rows: list[ImageRows] = field(default_factory=list)
+    # per sampling sequence, the drafts it verifies (speculative decoding): its sample rows are its last
+    # len(drafts) + 1, one after its last known token and one after each draft
+    draft_token_ids: list[list[int]] = field(default_factory=list)
 
 
 class InputBatch:
@@ -119,12 +122,14 @@ class InputBatch:
         bs = self.block_size
         ids, positions, slots = [], [], []
         decode_rows, decode_tables, decode_lens, prefills = [], [], [], []
-        sample_rows, sampling_seqs, prompt_chunks, lora_spans, image_rows = [], [], [], [], []
+        sample_rows, sampling_seqs, prompt_chunks, lora_spans, image_rows, drafts_of = [], [], [], [], [], []
         row = 0
         for seq_id, n in scheduler_output.num_scheduled_tokens.items():
             seq = self.seqs[seq_id]
+            drafts = scheduler_output.spec_token_ids.get(seq_id, [])
+            tokens = seq.token_ids + drafts if drafts else seq.token_ids
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            ids.extend(seq.token_ids[start:end])
+            ids.extend(tokens[start:end])
             pos = np.arange(start, end)
             table = np.asarray(seq.block_table[:-(-end // bs)], dtype=np.int64)
             positions.append(pos if self.mrope_merge is None else seq.mrope(start, end))
@@ -140,9 +145,10 @@ class InputBatch:
                 decode_lens.append(end)
             else:
                 prefills.append(PrefillSpan(row, row + n, None if start == 0 else self._tensor(table), end))
-            if end == len(seq.token_ids):
-                sample_rows.append(row + n - 1)
+            if end == len(tokens):
+                sample_rows.extend(range(row + n - 1 - len(drafts), row + n))
                 sampling_seqs.append(seq)
+                drafts_of.append(drafts)
             if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens:
                 prompt_chunks.append(PromptChunk(seq, row, start, min(end, seq.num_prompt_tokens) - start))
             if seq.lora_request is not None:
@@ -152,7 +158,7 @@ class InputBatch:
         decode = self._decode_groups(decode_rows, decode_tables, decode_lens, row)
         metadata = AttentionMetadata(kv_cache, self._tensor(np.concatenate(slots)), decode, prefills)
         return ModelInputs(self._tensor(ids), self._tensor(np.concatenate(positions, axis=-1)), metadata,
-                           self._tensor(sample_rows), sampling_seqs, prompt_chunks, lora_spans, image_rows)
+                           self._tensor(sample_rows), sampling_seqs, prompt_chunks, lora_spans, image_rows, drafts_of)
 
     def _decode_groups(self, rows: list[int], tables: list[np.ndarray], lens: list[int], num_rows: int):
         """Decode tokens as batched attentions. The CPU kernel takes them all in one group, each sequence read at

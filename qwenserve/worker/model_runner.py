@@ -4,7 +4,11 @@ prompt logprobs), then sampling. What leaves is a ModelRunnerOutput: token ids a
 
 With images (a multimodal model): the step's tokens are embedded here, the vision tower's rows for the image
 placeholders in the batch (from the encoder cache, or the tower run once for every image the cache lacks) are
-written over theirs, and the model takes the rows as inputs_embeds."""
+written over theirs, and the model takes the rows as inputs_embeds.
+
+With speculative decoding a sequence's last k + 1 positions sample: the drafts are verified
+(sample/rejection_sampler.py), and new drafts proposed where the scheduler asked for them; drafts also leave in the
+ModelRunnerOutput."""
 from __future__ import annotations
 
 import numpy as np
@@ -15,9 +19,11 @@ from qwenserve.lora.manager import LoRAManager
 from qwenserve.model.interface import CausalLM, is_multimodal
 from qwenserve.model.layers.attention import AttentionMetadata, PagedKVCache, PrefillSpan, decode_kernel_available
 from qwenserve.sample.logprobs import top_logprobs
+from qwenserve.sample.rejection_sampler import RejectionSampler, VerifiedTokens
 from qwenserve.sample.sampler import Sampler
+from qwenserve.spec_decode.ngram_proposer import NgramProposer
 from qwenserve.worker.encoder_cache import EncoderCache
-from qwenserve.worker.input_batch import ImageRows, InputBatch, PromptChunk
+from qwenserve.worker.input_batch import ImageRows, InputBatch, ModelInputs, PromptChunk
 
 DEFAULT_ENCODER_CACHE_BYTES = 256 << 20
 
@@ -40,8 +46,9 @@ def full_logits(model: CausalLM, token_ids: list[int]) -> torch.Tensor:
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_cache: PagedKVCache, device: torch.device | str = "cpu",
                  record_logits: bool = False, lora_manager: LoRAManager | None = None,
-                 encoder_cache_bytes: int = DEFAULT_ENCODER_CACHE_BYTES):
-        """lora_manager: the model's adapters (its projections already wrapped), with enable_lora."""
+                 encoder_cache_bytes: int = DEFAULT_ENCODER_CACHE_BYTES, proposer: NgramProposer | None = None):
+        """lora_manager: the model's adapters (its projections already wrapped), with enable_lora. proposer: drafts
+        for speculative decoding; None: off."""
         self.model = model
         self.lora_manager = lora_manager
         self.kv_cache = kv_cache
@@ -52,6 +59,8 @@ class ModelRunner:
                                       model.spatial_merge_size if self.multimodal else None)
         # sampling runs on the host: per-request generators and small per-row ops (logits are copied there)
         self.sampler = Sampler("cpu")
+        self.rejection_sampler = RejectionSampler(self.sampler)
+        self.proposer = proposer
         self.record_logits = record_logits
 
     @torch.inference_mode()
@@ -79,13 +88,20 @@ class ModelRunner:
         if inputs.sampling_seqs:
             # the sequences' token lists grow when the scheduler sends these tokens back (step.py)
             logits = self.model.compute_logits(hidden[inputs.sample_rows]).cpu()
-            grammar = _grammar_rows(scheduler_output.grammar_bitmask, inputs.sampling_seqs)
-            sampled = self.sampler(logits, inputs.sampling_seqs, grammar)
-            out.seq_ids = [seq.seq_id for seq in inputs.sampling_seqs]
-            out.sampled_token_ids = sampled.token_ids
-            out.logprobs = sampled.logprobs
+            taken = self._sample(logits, inputs, scheduler_output.grammar_bitmask)
             if self.record_logits:
-                out.logits = list(logits.float())
+                out.logits = []
+            for seq, tokens, logprobs, rows in zip(inputs.sampling_seqs, taken.token_ids, taken.logprobs, taken.rows):
+                out.seq_ids += [seq.seq_id] * len(tokens)
+                out.sampled_token_ids += tokens
+                out.logprobs += logprobs
+                if self.record_logits:
+                    out.logits += [logits[row].float() for row in rows]
+                num_drafts = scheduler_output.num_draft_tokens_to_propose.get(seq.seq_id)
+                if num_drafts and self.proposer is not None:
+                    drafts = self.proposer.propose(seq.token_ids + tokens, num_drafts)
+                    if drafts:
+                        out.draft_token_ids[seq.seq_id] = drafts
         for chunk in inputs.prompt_chunks:
             out.prompt_logprobs[chunk.seq.seq_id] = (chunk.first_position + 1, self._prompt_logprobs(hidden, chunk))
         return out
@@ -119,6 +135,23 @@ class ModelRunner:
             cache.computed += len(todo)
         return found
 
+    def _sample(self, logits: torch.Tensor, inputs: ModelInputs, grammar: GrammarBitmask | None) -> VerifiedTokens:
+        """The tokens each sampling sequence takes: one, or with drafts to verify, the accepted ones and one more."""
+        seqs, drafts = inputs.sampling_seqs, inputs.draft_token_ids
+        first_rows, row = {}, 0
+        for seq, draft in zip(seqs, drafts):
+            first_rows[seq.seq_id] = row
+            row += len(draft) + 1
+        constrained = set(grammar.seq_ids) if grammar is not None else set()
+        if any(draft for seq, draft in zip(seqs, drafts) if seq.seq_id in constrained):
+            raise RuntimeError("a constrained sequence brought drafts: its grammar masks one token a step")
+        grammar_rows = _grammar_rows(grammar, first_rows)
+        if any(drafts):
+            return self.rejection_sampler(logits, seqs, drafts, grammar_rows)
+        sampled = self.sampler(logits, seqs, grammar_rows)
+        return VerifiedTokens([[t] for t in sampled.token_ids], [[lp] for lp in sampled.logprobs],
+                              [[i] for i in range(len(seqs))])
+
     def _prompt_logprobs(self, hidden: torch.Tensor, chunk: PromptChunk) -> list:
         """Entries for the prompt tokens this chunk predicts: row i predicts the token at first_position + i + 1
         (the chunk's last row may predict the first output token, which is not a prompt logprob)."""
@@ -132,11 +165,11 @@ class ModelRunner:
         return top_logprobs(logprobs, torch.tensor(targets), seq.params.prompt_logprobs)
 
 
-def _grammar_rows(grammar: GrammarBitmask | None, sampling_seqs: list) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The step's grammar bitmask as the sampler takes it: (the rows of the constrained sequences, their masks)."""
+def _grammar_rows(grammar: GrammarBitmask | None, row_of: dict[int, int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The step's grammar bitmask as the sampler takes it: (the rows of the constrained sequences, their masks).
+    row_of: each sampling sequence's (first) logits row."""
     if grammar is None:
         return None
-    row_of = {seq.seq_id: i for i, seq in enumerate(sampling_seqs)}
     missing = [seq_id for seq_id in grammar.seq_ids if seq_id not in row_of]
     if missing:  # the engine and this worker disagree on who samples: sampling unmasked would break the grammar
         raise RuntimeError(f"grammar bitmask rows for sequences {missing} that take no token this step")

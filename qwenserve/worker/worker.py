@@ -18,6 +18,7 @@ from qwenserve.distributed.pipeline import PipelineParallel
 from qwenserve.distributed.tensor_parallel import TensorParallel
 from qwenserve.model.layers.attention import PagedKVCache
 from qwenserve.model.loader.model_loader import load_model
+from qwenserve.spec_decode.ngram_proposer import NgramProposer
 from qwenserve.worker.cpu_tuning import keep_large_allocations_in_heap
 from qwenserve.worker.memory import KVCacheFit, kv_cache_budget, model_weights_bytes
 from qwenserve.worker.model_runner import ModelRunner
@@ -82,9 +83,12 @@ class Worker:
                     num_blocks * per_block, num_blocks * per_block / (1 << 30))
         self.kv_cache = PagedKVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, self._kv_dtype,
                                      self.device)
+        spec = self.config.speculative_config
+        proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max) if spec is not None else None
         with use_cpu_kernels(self.config.load.cpu_kernels, self.config.load.cpu_isa):
             self.model_runner = ModelRunner(self.model, self.kv_cache, self.device, self.config.record_logits,
-                                            self.lora_manager, self.config.multimodal.encoder_cache_memory)
+                                            self.lora_manager, self.config.multimodal.encoder_cache_memory,
+                                            proposer)
 
     @property
     def num_kv_blocks(self) -> int:

@@ -26,6 +26,13 @@ class ServerMetrics:
                                  "only where touched)", registry=r)
         self.kv_touched = Gauge("qwenserve_kv_cache_touched_bytes", "Bytes of the KV blocks ever used (the "
                                 "distinct blocks handed out): the KV cache's resident memory", registry=r)
+        # speculative decoding (0 when off), as vLLM's spec_decode series
+        self.spec_drafts = Gauge("qwenserve_spec_decode_num_drafts_total", "Verifications of draft tokens (steps in "
+                                 "which a sequence brought drafts)", registry=r)
+        self.spec_draft_tokens = Gauge("qwenserve_spec_decode_num_draft_tokens_total", "Draft tokens verified",
+                                       registry=r)
+        self.spec_accepted_tokens = Gauge("qwenserve_spec_decode_num_accepted_tokens_total", "Draft tokens accepted",
+                                          registry=r)
         self.prompt_tokens = Counter("qwenserve_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("qwenserve_generation_tokens", "Generated tokens of finished requests",
                                          registry=r)
@@ -77,6 +84,9 @@ class ServerMetrics:
         self.weights_bytes.set(snap["weights_bytes"])
         self.kv_reserved.set(snap["kv_reserved_bytes"])
         self.kv_touched.set(snap["kv_touched_bytes"])
+        self.spec_drafts.set(snap.get("spec_num_drafts", 0))
+        self.spec_draft_tokens.set(snap.get("spec_num_draft_tokens", 0))
+        self.spec_accepted_tokens.set(snap.get("spec_num_accepted_tokens", 0))
         for rank, replica in enumerate(snap.get("replicas", ())):
             label = str(rank)
             self.replica_alive.labels(label).set(int(replica["alive"]))
