@@ -489,3 +489,21 @@ def test_counters_reach_metrics(spec):
     text = ServerMetrics().render(stats).decode()
     for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
         assert f"qwenserve_spec_decode_{key}_total {float(stats['spec_' + key])}" in text
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_worker_processes(tiny, plain, tp, pp):
+    """Drafts cross the process boundary: the last stage proposes, every rank computes them (pipeline parallel:
+    two steps in flight)."""
+    llm = LLM(tiny[1], dtype="float32", kv_cache_memory="8MiB", tensor_parallel_size=tp, pipeline_parallel_size=pp,
+              speculative_config=NGRAM)
+    try:
+        prompts = repeating_prompts()
+        assert token_ids(generate(llm, prompts, max_tokens=32, **GREEDY)) == \
+            token_ids(generate(plain, prompts, max_tokens=32, **GREEDY))
+        seeded = dict(temperature=0.8, seed=3, max_tokens=32, ignore_eos=True)
+        assert token_ids(generate(llm, prompts, **seeded)) == token_ids(generate(plain, prompts, **seeded))
+        assert llm.engine.stats()["spec_num_accepted_tokens"] > 0
+    finally:
+        llm.engine.shutdown()
