@@ -489,3 +489,45 @@ def test_counters_reach_metrics(spec):
     text = ServerMetrics().render(stats).decode()
     for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
         assert f"qwenserve_spec_decode_{key}_total {float(stats['spec_' + key])}" in text
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_worker_processes(tiny, plain, tp, pp):
+    """Drafts cross the process boundary: the last stage proposes, every rank computes them (pipeline parallel:
+    two steps in flight)."""
+    llm = LLM(tiny[1], dtype="float32", kv_cache_memory="8MiB", tensor_parallel_size=tp, pipeline_parallel_size=pp,
+              speculative_config=NGRAM)
+    try:
+        prompts = repeating_prompts()
+        assert token_ids(generate(llm, prompts, max_tokens=32, **GREEDY)) == \
+            token_ids(generate(plain, prompts, max_tokens=32, **GREEDY))
+        seeded = dict(temperature=0.8, seed=3, max_tokens=32, ignore_eos=True)
+        assert token_ids(generate(llm, prompts, **seeded)) == token_ids(generate(plain, prompts, **seeded))
+        assert llm.engine.stats()["spec_num_accepted_tokens"] > 0
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.slow
+def test_bundled_model_greedy_equals_without_speculation():
+    """The bundled model (float32, exact path) asked to edit code it was given: the same greedy tokens with and
+    without speculation, some drafts accepted (4 of 16 when written: the model explains before it copies)."""
+    import gc
+
+    from qwenserve.tools.compare import prompt_ids
+    code = ("def moving_average(values, window):\n    total = sum(values[:window])\n    out = [total / window]\n"
+            "    for i in range(window, len(values)):\n        total += values[i] - values[i - window]\n"
+            "        out.append(total / window)\n    return out\n")
+    tokens = {}
+    for speculative_config in (None, dict(NGRAM, num_speculative_tokens=4, prompt_lookup_min=2)):
+        llm = LLM(None, dtype="float32", quantization="none", kv_cache_memory="256MiB",
+                  speculative_config=speculative_config)
+        prompt = prompt_ids(llm.get_tokenizer(), f"Rename `values` to `xs` in this function:\n{code}")[1]
+        outs = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=64, **GREEDY), use_tqdm=False)
+        tokens[speculative_config is None] = outs[0].outputs[0].token_ids
+        stats = llm.engine.stats()
+        del llm
+        gc.collect()
+    assert tokens[False] == tokens[True]
+    assert stats["spec_num_draft_tokens"] > stats["spec_num_accepted_tokens"] > 0
