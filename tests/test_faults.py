@@ -14,7 +14,7 @@ from qwenserve.engine.llm_engine import LLMEngine, RequestsFailedError
 from qwenserve.entrypoints.openai.api_server import build_app
 from qwenserve.worker.memory import AUTO_FRACTION, available_memory
 
-from helpers import PROMPTS, live_server, wait_idle_and_clean
+from helpers import PROMPTS, assert_hf_greedy, live_server, wait_idle_and_clean
 
 POISON = 77  # a prompt token that makes the injected fault fire
 
@@ -55,6 +55,34 @@ def test_a_failed_step_ends_only_its_requests(parallel_tiny):
     # and the engine still serves, the same tokens as before
     again = llm.generate({"prompt_token_ids": PROMPTS[0]}, params, use_tqdm=False)[0]
     assert again.outputs[0].token_ids == finished["ok-0"].outputs[0].token_ids
+
+
+def test_a_failed_step_leaves_no_prefix_cache_entries(parallel_tiny):
+    """Blocks are registered in the prefix cache when a step is scheduled; a step that fails never wrote them, so
+    the same prompt again computes its KV instead of reading the unwritten blocks."""
+    llm = LLM(parallel_tiny[1], dtype="float32", kv_cache_memory="4MiB", block_size=8)
+    engine = llm.engine
+    prompt = [POISON] + list(range(3, 40))  # four full blocks
+    worker = engine.executor.worker
+    original = worker.execute_model
+    faults = []
+
+    def fail_once(scheduler_output):
+        if not faults and any(POISON in new.token_ids for new in scheduler_output.new_seqs):
+            faults.append(1)
+            raise RuntimeError("injected fault")
+        return original(scheduler_output)
+    worker.execute_model = fail_once
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    engine.add_request("bad", {"prompt_token_ids": prompt}, params)
+    with pytest.raises(RequestsFailedError):
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert faults and not engine.kv.cached
+    engine.kv.check_invariants([])
+    again = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 0
+    assert_hf_greedy(parallel_tiny[0], [prompt], [again.outputs[0].token_ids])
 
 
 def test_server_fails_the_step_with_500_and_serves_the_rest(parallel_tiny):

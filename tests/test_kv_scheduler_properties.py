@@ -251,3 +251,24 @@ def test_pipelined_steps_prefill_in_smaller_steps():
         while h.requests:
             h.step()
         assert [n for n in sizes if n] == expected
+
+
+def test_a_failed_step_ends_the_sequences_that_adopted_its_unwritten_blocks():
+    """With two steps in flight, a request scheduled in the second may adopt full blocks the first registered; if
+    the first fails those blocks are never written, so that request fails too, and their cache entries go."""
+    kv = KVCacheManager(32, BLOCK, True)
+    sched = Scheduler(kv, 4, 64, 2, PIPELINED_STEP_TOKENS)
+    params = SamplingParams(temperature=0, max_tokens=4)
+    prompt = list(range(10, 23))  # three full blocks and one token
+    first, second, other = (Sequence(seq_id=i, request_id=f"r{i}", index=0, token_ids=list(tokens),
+                                     num_prompt_tokens=len(tokens), params=params)
+                            for i, tokens in enumerate([prompt, prompt, [7, 8, 9]]))
+    sched.add(first)
+    step_one = sched.schedule()
+    sched.add(second)
+    sched.add(other)
+    step_two = sched.schedule()
+    assert second.num_cached_tokens == 3 * BLOCK and set(step_two.num_scheduled_tokens) == {1, 2}
+    ended = sched.drop_step(step_one)
+    assert ended == [first, second]  # not `other`, which shares nothing with the failed step
+    assert not kv.cached

@@ -170,6 +170,19 @@ class KVCacheManager:
                 self.block_hash[block] = digest
         seq.num_registered_blocks = max(seq.num_registered_blocks, full)
 
+    def uncache_unwritten(self, seq: Sequence) -> set[int]:
+        """Take back the prefix-cache entries of seq's blocks past its computed tokens: they were registered when
+        a step was scheduled, and that step failed before writing them. Returns those blocks."""
+        dropped = set()
+        for block in seq.block_table[seq.num_computed_tokens // self.block_size:]:
+            digest = self.block_hash[block]
+            if digest is not None:
+                del self.cached[digest]
+                self.block_hash[block] = None
+                dropped.add(block)
+        seq.num_registered_blocks = min(seq.num_registered_blocks, seq.num_computed_tokens // self.block_size)
+        return dropped
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Let child (a sibling sample of parent, same prompt) share parent's full prompt blocks; it computes
         only the rest of the prompt itself. Needs no free blocks."""

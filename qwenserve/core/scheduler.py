@@ -200,10 +200,17 @@ class Scheduler:
         return ran
 
     def drop_step(self, scheduler_output: SchedulerOutput) -> list[Sequence]:
-        """A step that failed: its sequences are no longer in flight; returns those still live (to be ended)."""
+        """A step that failed: its sequences are no longer in flight; returns those to be ended: the step's live
+        sequences, and any other that adopted a block the step was to write (its prefix hit would read garbage)."""
         for seq_id in scheduler_output.num_scheduled_tokens:
             self.in_flight.discard(seq_id)
-        return [self._live[i] for i in scheduler_output.num_scheduled_tokens if i in self._live]
+        failed = [self._live[i] for i in scheduler_output.num_scheduled_tokens if i in self._live]
+        unwritten = set()
+        for seq in failed:
+            unwritten |= self.kv.uncache_unwritten(seq)
+        readers = [seq for seq in self._live.values()
+                   if seq not in failed and unwritten.intersection(seq.block_table)]
+        return failed + readers
 
     def _fork(self, parent: Sequence) -> None:
         """Start parent's sibling samples once its prompt is computed: each shares the prompt's full blocks and
