@@ -169,6 +169,9 @@ def dense_route_from(model, rows: int = 64) -> int:
     layers = [m for m in model.modules() if hasattr(m, "dense_from_rows")]
     for layer in layers:
         layer.dense_from_rows = min(layer.dense_from_rows, rows)
+    for module in model.modules():
+        if hasattr(module, "fused_decode"):
+            module.fused_decode.routes_changed()
     return max(layer.dense_from_rows for layer in layers)
 
 

@@ -32,7 +32,7 @@ def _projection(layer: nn.Module, path: str) -> nn.Module:
 def _runs_on_kernel_calls(linear: nn.Module) -> bool:
     """Whether the projection's few-row path is nothing but its ggml_mm calls (GGMLBlockLinearMethod.apply)."""
     return (getattr(linear, "kernel_calls", None) is not None and getattr(linear, "input_order", 1) is None
-            and getattr(linear, "segments", None) is not None and linear.tp.size == 1
+            and linear.tp.size == 1
             and getattr(linear, "bias", None) is getattr(linear, "kernel_bias", None))
 
 
@@ -44,9 +44,13 @@ class FusedDecodeLayers:
         """layers: the stage's decoder layers; ops: the kernel library's ops namespace (None: never fused)."""
         self._layers = layers
         self._ops = ops
-        self._max_rows: int | None = None  # decided once the weights are processed: 0 = never
+        self._max_rows: int | None = None  # decided at the first decode step, weights processed: 0 = never
         self._cache: PagedKVCache | None = None
         self._call = None
+
+    def routes_changed(self) -> None:
+        """Decide again at the next step: a projection's dense_from_rows changed after the first decode step."""
+        self._max_rows = None
 
     def _rows_below(self) -> int:
         """Steps of fewer rows than this may fuse (the rows below which every projection takes ggml_mm); 0 when
