@@ -14,7 +14,7 @@ class EncoderCache:
         self.max_bytes = max_bytes
         self.bytes = 0
         self._outputs: OrderedDict[bytes, torch.Tensor] = OrderedDict()
-        self.computed = 0  # images run through the tower (tests and statistics)
+        self.computed = 0  # outputs put here, each one image run through the tower (tests and statistics)
 
     def get(self, key: bytes) -> torch.Tensor | None:
         out = self._outputs.get(key)
@@ -23,6 +23,8 @@ class EncoderCache:
         return out
 
     def put(self, key: bytes, output: torch.Tensor) -> None:
+        """Keep an output the tower just computed (counted whether or not it fits)."""
+        self.computed += 1
         size = output.numel() * output.element_size()
         if size > self.max_bytes or key in self._outputs:
             return

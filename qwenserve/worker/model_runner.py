@@ -132,7 +132,6 @@ class ModelRunner:
             for image, out in zip(todo, merged.split([image.num_tokens for image in todo])):
                 found[image.content_hash] = out
                 cache.put(image.content_hash, out)
-            cache.computed += len(todo)
         return found
 
     def _sample(self, logits: torch.Tensor, inputs: ModelInputs, grammar: GrammarBitmask | None) -> VerifiedTokens:
