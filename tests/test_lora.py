@@ -15,6 +15,7 @@ from qwenserve.config.errors import ConfigError, RequestError
 from qwenserve.core.kv_cache_manager import KVCacheManager
 from qwenserve.core.request import Sequence
 from qwenserve.lora.batch import LoRABatch
+from qwenserve.lora.ops import Expand, LayerAdapter, StackedAdapters, add_lora
 
 from helpers import save_hf_dir, tiny_hf_model
 
@@ -154,14 +155,18 @@ def test_long_prompt_runs_the_mlp_in_parts(llm, adapters):
 
 # ---- one forward pass for a mixed batch ----------------------------------------------------------------------
 
-def spy_batches(llm) -> list[set[int]]:
-    """The adapter ids of each step the worker runs with adapters, from now on."""
+def spy_batches(llm, stacked: list[bool] | None = None) -> list[set[int]]:
+    """The adapter ids of each step the worker runs with adapters, from now on; and into stacked, whether each
+    such step ran its adapters stacked."""
     mgr, seen = manager(llm), []
     original = mgr.batch
 
-    def batch(spans):
+    def batch(spans, num_rows):
         seen.append({r.lora_int_id for _, _, r in spans})
-        return original(spans)
+        made = original(spans, num_rows)
+        if stacked is not None:
+            stacked.append(made.stacked is not None)
+        return made
     mgr.batch = batch
     return seen
 
@@ -172,12 +177,14 @@ def test_mixed_batch_gives_each_request_what_it_gets_alone(llm, adapters):
     lora = [adapters[name][0] if name else None for name in order]
     prompts = [prompt(8 + 3 * i, seed=20 + i) for i in range(len(order))]
     alone = [run(llm, [p], a)[0] for p, a in zip(prompts, lora)]
-    seen = spy_batches(llm)
+    stacked = []
+    seen = spy_batches(llm, stacked)
     try:
         together = run(llm, prompts, lora)
     finally:
         del manager(llm).batch
     assert max(len(ids) for ids in seen) == 4, "all four adapters should share steps"
+    assert True in stacked and False in stacked, "the prompts should run by groups and the decode steps stacked"
     for a, b in zip(alone, together):
         assert a.token_ids == b.token_ids
         torch.testing.assert_close(torch.stack(a.logits), torch.stack(b.logits), atol=1e-5, rtol=0)
@@ -431,3 +438,41 @@ def test_lora_batch_narrow():
     assert part.groups[0][0] == 0 and part.groups[0][1].tolist() == [0]
     assert part.groups[1] == (1, slice(3, 5))
     assert batch.narrow(4, 2) is None
+    # long ranges apart: a slice each; adjacent ones merge
+    batch = LoRABatch.from_spans([(0, 20, 0), (20, 40, 1), (40, 60, 0), (60, 70, 0)], torch.device("cpu"))
+    assert batch.groups == [(0, slice(0, 20)), (0, slice(40, 70)), (1, slice(20, 40))]
+
+
+@pytest.mark.parametrize("first_span_rows", [1, 5, 40])
+def test_stacked_adapters_add_what_the_groups_add(first_span_rows):
+    """The batched products over stacked slots equal the products by adapter groups: slots of different ranks and
+    slices, an empty slot, rows of the base model, a slot's rows apart; and so do the two halves of a narrowed
+    batch (a layer that runs its rows in parts)."""
+    torch.manual_seed(0)
+    in_features, widths = 12, [6, 4, 4]  # a fused q/k/v-like output
+    offsets = [0, 6, 10]
+
+    def adapter(rank, shards):
+        expands, first = [], 0
+        for shard in shards:
+            expands.append(Expand(offsets[shard], first, first + rank, torch.randn(rank, widths[shard])))
+            first += rank
+        return LayerAdapter(torch.randn(in_features, first), expands)
+    slots = [adapter(2, [0, 1, 2]), None, adapter(3, [1]), adapter(1, [0, 2])]
+    stack = (0, 2, 3)
+    stacked = StackedAdapters.of(slots, stack, in_features, sum(widths), torch.float32, torch.device("cpu"))
+    spans = [(0, first_span_rows, 2), (first_span_rows + 1, first_span_rows + 2, 0),
+             (first_span_rows + 2, first_span_rows + 3, 3), (first_span_rows + 4, first_span_rows + 5, 0)]
+    num_rows = first_span_rows + 6  # rows between and after the spans are the base model's
+    x = torch.randn(num_rows, in_features)
+    grouped, together = torch.zeros(num_rows, sum(widths)), torch.zeros(num_rows, sum(widths))
+    add_lora(grouped, x, LoRABatch.from_spans(spans, torch.device("cpu")), slots)
+    add_lora(together, x, LoRABatch.from_spans(spans, torch.device("cpu"), stack), slots, stacked)
+    torch.testing.assert_close(together, grouped)
+    assert grouped[first_span_rows].abs().sum() == 0 and grouped[1:].abs().sum() > 0
+    batch, parts = LoRABatch.from_spans(spans, torch.device("cpu"), stack), torch.zeros_like(grouped)
+    for start, end in ((0, first_span_rows + 2), (first_span_rows + 2, num_rows)):
+        part = batch.narrow(start, end - start)
+        assert part.stacked is not None
+        add_lora(parts[start:end], x[start:end], part, slots, stacked)
+    torch.testing.assert_close(parts, grouped)

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from qwenserve.lora.batch import LoRABatch
-from qwenserve.lora.ops import Expand, LayerAdapter, add_lora
+from qwenserve.lora.ops import Expand, LayerAdapter, StackedAdapters, add_lora
 from qwenserve.model.layers.linear import RowParallelLinear
 
 
@@ -18,7 +18,23 @@ class LoRALinear(nn.Module):
         self.base = base
         # the adapter in each slot of the batch (None: the slot is free, or its adapter leaves this layer alone)
         self.slots: list[LayerAdapter | None] = [None] * max_loras
+        # the slots stacked for the steps that run stacked: made at the first such step after the slots change
+        self._stacked: StackedAdapters | None = None
         self._reduces = isinstance(base, RowParallelLinear)
+
+    def set_slot(self, slot: int, adapter: LayerAdapter | None) -> None:
+        self.slots[slot] = adapter
+        self._stacked = None
+
+    def _add_lora(self, y: torch.Tensor, x: torch.Tensor, lora: LoRABatch) -> None:
+        rows = lora.stacked
+        if rows is not None and (self._stacked is None or self._stacked.slots != rows.slots):
+            example = next(a.a_t for a in self.slots if a is not None) if any(self.slots) else None
+            if example is None:
+                return  # no adapter in any slot touches this layer
+            self._stacked = StackedAdapters.of(self.slots, rows.slots, x.shape[1], y.shape[1], example.dtype,
+                                               example.device)
+        add_lora(y, x, lora, self.slots, self._stacked)
 
     def prepare(self, parts: dict, scaling: float, dtype: torch.dtype, device: torch.device) -> LayerAdapter | None:
         """One adapter's weights for this layer: parts maps each adapted shard id (q, k, v; 0, 1; None for an
@@ -43,12 +59,12 @@ class LoRALinear(nn.Module):
             return self.base(x)
         if not self._reduces:
             y = self.base(x)
-            add_lora(y, x, lora, self.slots)
+            self._add_lora(y, x, lora)
             return y
         # row-parallel: the adapter's product on this rank's input columns is a partial sum like the base's, so it
         # joins the same all-reduce; the bias is added once, after it
         base = self.base
         y = base.linear_method.apply(base, x, None)
-        add_lora(y, x, lora, self.slots)
+        self._add_lora(y, x, lora)
         y = base.tp.all_reduce(y)
         return y + base.bias if base.bias is not None else y

@@ -22,13 +22,16 @@ from qwenserve.lora.request import LoRARequest
 from qwenserve.model.interface import CausalLM
 
 logger = logging.getLogger(__name__)
+STACKED_MAX_ROWS = 64  # steps of up to this many rows run their adapters stacked (ops.py)
 
 
 class LoRAManager:
     def __init__(self, model: CausalLM, model_config: ModelConfig, config: LoRAConfig):
         self.model_config = model_config
         self.config = config
-        self.dtype, self.device = model.dtype, model.device
+        self.device = model.device
+        # the adapters' weights and products: float32 on the CPU (ops.py says why), else the run dtype
+        self.dtype = torch.float32 if self.device.type == "cpu" else model.dtype
         # (layer, checkpoint module e.g. "q_proj") -> (the wrapper of its (fused) layer, its shard id there)
         self.targets: dict[tuple[int, str], tuple[LoRALinear, str | int | None]] = {}
         self.wrappers: list[LoRALinear] = []
@@ -92,7 +95,7 @@ class LoRAManager:
     def _fill_slot(self, slot: int, lora_int_id: int | None, weights: dict[LoRALinear, LayerAdapter]) -> None:
         self.slot_ids[slot] = lora_int_id
         for wrapper in self.wrappers:
-            wrapper.slots[slot] = weights.get(wrapper)
+            wrapper.set_slot(slot, weights.get(wrapper))
 
     # ---- the step ---------------------------------------------------------------------------------------
 
@@ -111,9 +114,9 @@ class LoRAManager:
         self._slot_use[slot] = None
         return slot
 
-    def batch(self, spans: list[tuple[int, int, LoRARequest]]) -> LoRABatch | None:
-        """The step's LoRABatch from (first row, end row, adapter) of each sequence that runs with one; None when
-        none does."""
+    def batch(self, spans: list[tuple[int, int, LoRARequest]], num_rows: int) -> LoRABatch | None:
+        """The step's LoRABatch from (first row, end row, adapter) of each sequence that runs with one, in a step of
+        num_rows rows; None when none does."""
         if not spans:
             return None
         requests = {r.lora_int_id: r for _, _, r in spans}
@@ -121,4 +124,9 @@ class LoRAManager:
             raise RuntimeError(f"a step with {len(requests)} adapters, above max_loras {self.config.max_loras}")
         keep = set(requests)
         slot_of = {lora_id: self._slot_for(r, keep) for lora_id, r in requests.items()}
-        return LoRABatch.from_spans([(s, e, slot_of[r.lora_int_id]) for s, e, r in spans], self.device)
+        # stacked when the step is small (a decode step: padding each slot to the busiest one's rows costs
+        # little) and uses every filled slot (the stacked weights hold them all: running some would read the rest
+        # for nothing)
+        filled = tuple(slot for slot, lora_id in enumerate(self.slot_ids) if lora_id is not None)
+        stack = filled if num_rows <= STACKED_MAX_ROWS and len(slot_of) == len(filled) > 1 else ()
+        return LoRABatch.from_spans([(s, e, slot_of[r.lora_int_id]) for s, e, r in spans], self.device, stack)

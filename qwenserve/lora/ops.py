@@ -1,8 +1,16 @@
-"""The LoRA products in PyTorch ops, punica's scheme: per group of tokens that share an adapter, shrink (x A^T:
-[tokens, in] -> [tokens, rank]) then expand (B^T into the output columns each adapted slice owns).
+"""The LoRA products in PyTorch ops, punica's scheme: shrink (x A^T: [tokens, in] -> [tokens, rank]) then expand
+(B^T into the output columns each adapted slice owns).
 
-Grouped by adapter (sgmv), not gathered per token (bgmv): on the CPU one matmul per adapter in the batch reads
-each adapter's weights once, where a per-token gather would copy them for every token."""
+Two ways, one result:
+- by groups (sgmv): per adapter, one shrink and its expands over the rows that run with it. One matmul per adapter
+  reads its weights once, where a per-token gather (bgmv) would copy them for every token. Steps with long prompt
+  chunks run this way.
+- stacked: every filled slot's weights in one [slots, ...] tensor, each slot's rows gathered into a [slots, rows,
+  in] batch (padded to the busiest slot's rows), one batched shrink and one batched expand, the real rows added
+  back. A decode step of eight adapters spends its time between small matmuls otherwise: this is five ops a layer
+  where groups take several per adapter.
+On the CPU the adapters' weights and products are float32 whatever the run dtype: PyTorch's float32 matmuls at
+these shapes (a rank of 8-64 on one side) beat its bfloat16 ones, for twice the memory (docs/lora.md)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,20 +37,53 @@ class LayerAdapter:
     expands: list[Expand]
 
 
-def add_lora(y: torch.Tensor, x: torch.Tensor, batch: LoRABatch, slots: list[LayerAdapter | None]) -> None:
+@dataclass
+class StackedAdapters:
+    """The adapters of some slots for one layer, stacked: a_t [slots, in, C] and b_t [slots, C, out], C the widest
+    slot's shrunk columns (narrower ones and a slot whose adapter leaves this layer alone are zeros), each
+    adapter's expands placed at their rank rows and output columns."""
+    slots: tuple[int, ...]
+    a_t: torch.Tensor
+    b_t: torch.Tensor
+
+    @classmethod
+    def of(cls, slots: list[LayerAdapter | None], stack: tuple[int, ...], in_features: int, out_features: int,
+           dtype: torch.dtype, device: torch.device) -> StackedAdapters:
+        columns = max((slots[s].a_t.shape[1] for s in stack if slots[s] is not None), default=1)
+        a_t = torch.zeros(len(stack), in_features, columns, dtype=dtype, device=device)
+        b_t = torch.zeros(len(stack), columns, out_features, dtype=dtype, device=device)
+        for i, slot in enumerate(stack):
+            adapter = slots[slot]
+            if adapter is None:
+                continue
+            a_t[i, :, :adapter.a_t.shape[1]] = adapter.a_t
+            for e in adapter.expands:
+                b_t[i, e.rank_start:e.rank_end, e.out_offset:e.out_offset + e.b_t.shape[1]] = e.b_t
+        return cls(stack, a_t, b_t)
+
+
+def add_lora(y: torch.Tensor, x: torch.Tensor, batch: LoRABatch, slots: list[LayerAdapter | None],
+             stacked: StackedAdapters | None = None) -> None:
     """y [T, out] += each token's adapter product on x [T, in], in place. Slots whose adapter leaves this layer
-    alone (None) add nothing."""
-    for slot, rows in batch.groups:
+    alone (None) add nothing. stacked: these slots stacked as batch.stacked orders them, when it is set."""
+    rows = batch.stacked
+    if rows is not None:
+        xs = x.index_select(0, rows.gather).to(stacked.a_t.dtype).view(len(rows.slots), -1, x.shape[1])
+        products = torch.bmm(torch.bmm(xs, stacked.a_t), stacked.b_t).flatten(0, 1)
+        y.index_add_(0, rows.targets, products.index_select(0, rows.real).to(y.dtype))
+        return
+    for slot, group in batch.groups:
         adapter = slots[slot]
         if adapter is None:
             continue
-        if isinstance(rows, slice):
-            shrunk = x[rows] @ adapter.a_t
+        dtype = adapter.a_t.dtype
+        if isinstance(group, slice):
+            shrunk = x[group].to(dtype) @ adapter.a_t
             for e in adapter.expands:
-                out = y[rows, e.out_offset:e.out_offset + e.b_t.shape[1]]
-                out.addmm_(shrunk[:, e.rank_start:e.rank_end], e.b_t)
+                # float32 products added into a bfloat16 output round once, in place
+                y[group, e.out_offset:e.out_offset + e.b_t.shape[1]].add_(shrunk[:, e.rank_start:e.rank_end] @ e.b_t)
         else:
-            shrunk = x.index_select(0, rows) @ adapter.a_t
+            shrunk = x.index_select(0, group).to(dtype) @ adapter.a_t
             for e in adapter.expands:
                 out = y[:, e.out_offset:e.out_offset + e.b_t.shape[1]]
-                out.index_add_(0, rows, shrunk[:, e.rank_start:e.rank_end] @ e.b_t)
+                out.index_add_(0, group, (shrunk[:, e.rank_start:e.rank_end] @ e.b_t).to(y.dtype))

@@ -71,7 +71,7 @@ class ModelRunner:
         if inputs.lora_spans:
             if self.lora_manager is None:
                 raise RuntimeError("a sequence with a LoRA adapter reached a worker started without enable_lora")
-            inputs.attn_metadata.lora = self.lora_manager.batch(inputs.lora_spans)
+            inputs.attn_metadata.lora = self.lora_manager.batch(inputs.lora_spans, len(inputs.input_ids))
         pp = self.model.pp
         intermediate = None
         if not pp.is_first:
