@@ -148,3 +148,29 @@ def test_bench_allreduce_times_both_paths(capsys):
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["world_size"] == 2 and len(result["sizes"]) == 8
     assert all(row["gloo_us"] > 0 and row["shm_us"] > 0 for row in result["sizes"])
+
+
+@pytest.mark.slow
+def test_bench_lora_runs_both_and_writes_adapters_peft_loads(tmp_path, capsys):
+    import peft
+    from safetensors.torch import load_file
+
+    from qwenserve.benchmarks.lora import write_random_adapter
+    from qwenserve.config.model_config import ModelConfig
+
+    hf = tiny_hf_model(seed=66)
+    path = save_hf_dir(hf, str(tmp_path / "m"))
+    assert main(["bench", "lora", "--model", path, "--dtype", "float32", "--kv-cache-memory", "8MiB",
+                 "--enable-lora", "--max-loras", "2", "--max-lora-rank", "4", "--num-adapters", "2", "--rank", "4",
+                 "--num-prompts", "4", "--input-len", "8", "--output-len", "3", "--rounds", "1", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["adapters"] == 2 and len(result["base_runs_s"]) == len(result["lora_runs_s"]) == 1
+    assert result["lora_over_base"] > 0 and result["first_request_new_adapter_s"] > 0
+    # the adapters are PEFT's layout: PEFT loads every tensor of the file into its model
+    directory = write_random_adapter(ModelConfig.from_hf_dict(hf.config.to_dict()), str(tmp_path / "a"), rank=4, seed=0)
+    model = peft.PeftModel.from_pretrained(hf, directory)
+    state = {k: v for k, v in model.state_dict().items() if "lora_" in k}
+    written = load_file(f"{directory}/adapter_model.safetensors")
+    assert len(state) == len(written) == 2 * 7 * hf.config.num_hidden_layers
+    for name, tensor in written.items():
+        torch.testing.assert_close(state[name.replace(".weight", ".default.weight")], tensor.float())

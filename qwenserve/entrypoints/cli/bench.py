@@ -1,5 +1,5 @@
 """`qwenserve bench ...`: measurements, never tests (throughput, latency, prefix, ppl, kernels, allreduce, load,
-serve, structured), and the shaped models they time (shaped-gguf)."""
+serve, structured, lora), and the shaped models they time (shaped-gguf)."""
 from __future__ import annotations
 
 import argparse
@@ -91,6 +91,19 @@ def register(sub) -> None:
                     help="alternating runs of each, the median reported (default: %(default)s)")
     st.add_argument("--json", action="store_true")
 
+    lo = bench_sub.add_parser("lora", help="throughput with the requests spread over random LoRA adapters against "
+                                           "the base model, and one adapter's load time")
+    add_engine_args(lo)
+    lo.add_argument("--num-adapters", type=positive_int, default=8, help="adapters in the batch (default: %(default)s)")
+    lo.add_argument("--rank", type=positive_int, default=16, help="their rank, on all seven projections "
+                                                                   "(default: %(default)s)")
+    lo.add_argument("--num-prompts", type=positive_int, default=32)
+    lo.add_argument("--input-len", type=positive_int, default=128)
+    lo.add_argument("--output-len", type=positive_int, default=64)
+    lo.add_argument("--rounds", type=positive_int, default=2,
+                    help="alternating runs of each, the median reported (default: %(default)s)")
+    lo.add_argument("--json", action="store_true")
+
     srv = bench_sub.add_parser("serve", help="drive a running OpenAI-compatible server with streaming requests")
     srv.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (without /v1)")
     srv.add_argument("--num-prompts", type=positive_int, default=64)
@@ -149,6 +162,10 @@ def run(args: argparse.Namespace) -> int:
     elif args.bench_command == "structured":
         from qwenserve.benchmarks.structured import bench_structured
         result = bench_structured(engine_config_from_args(args), args.batch, args.max_tokens, args.rounds)
+    elif args.bench_command == "lora":
+        from qwenserve.benchmarks.lora import bench_lora
+        result = bench_lora(engine_config_from_args(args), args.num_adapters, args.rank, args.num_prompts,
+                            args.input_len, args.output_len, args.rounds)
     elif args.bench_command == "ppl":
         from qwenserve.benchmarks.ppl import bench_ppl
         result = bench_ppl(engine_config_from_args(args), args.file, args.context, args.stride, args.agreement)
