@@ -1,6 +1,9 @@
 """The web UI (/) in a real browser: Debian's headless Chromium driven by selenium through the system chromedriver
 (scripts/ensure_browser.sh installs both), against live servers on a tiny random model. Each test saves a
-screenshot into the directory it prints ($QWENSERVE_SCREENSHOTS, or a pytest temporary directory)."""
+screenshot into the directory it prints ($QWENSERVE_SCREENSHOTS, or a pytest temporary directory). The tiny
+model's answers are random text, so the Markdown renderer's own cases run in the page on given strings
+(markdown.js, the code the page uses), and a served answer checks that what streams in is rendered as the whole
+answer would be."""
 import os
 import re
 import shutil
@@ -125,17 +128,22 @@ def test_chat_streams_the_answer_with_ttft_and_speed(servers, driver, shots, cap
     fill(driver, "temperature", 0)
     fill(driver, "max-tokens", 150)
     by_css(driver, "#ignore-eos")[0].click()
-    # record the answer's length at every change the page makes to it
+    # record the length of the answer's text the page shows at every change it makes to the page
     driver.execute_script("""
         window.lengths = [];
         new MutationObserver(() => {
           const el = document.querySelector('.msg.assistant .content');
-          if (el) window.lengths.push(el.textContent.length);
+          if (el) window.lengths.push(el.markdownSource?.length ?? 0);
         }).observe(document.getElementById('messages'), {subtree: true, childList: true, characterData: true});""")
     send_message(driver, "hello there")
     wait(driver, lambda d: by_css(d, ".msg.assistant .stats"), "the answer's stats line")
     stats = by_css(driver, ".msg.assistant .stats")[0].text
-    answer = driver.execute_script("return document.querySelector('.msg.assistant .content').textContent")
+    answer, rendered_as_whole, only_blocks = driver.execute_script("""
+        const el = document.querySelector('.msg.assistant .content');
+        const whole = document.createElement('div');
+        renderMarkdownInto(whole, el.markdownSource);
+        return [el.markdownSource, el.innerHTML === whole.innerHTML,
+                el.childNodes.length > 0 && [...el.childNodes].every((n) => n.nodeType === Node.ELEMENT_NODE)];""")
     lengths = driver.execute_script("return window.lengths")
     chunks = int(by_css(driver, ".msg.assistant")[0].get_attribute("data-chunks"))
     screenshot(driver, shots, "chat_streamed", capsys)
@@ -144,6 +152,9 @@ def test_chat_streams_the_answer_with_ttft_and_speed(servers, driver, shots, cap
     assert "– tok/s" not in stats
     growing = [n for n in lengths if n > 0]
     assert chunks > 1 and len(set(growing)) >= 3 and growing == sorted(growing), (chunks, lengths)
+    # rendered as Markdown (every piece of text inside a block element), and the blocks kept from the renders made
+    # while it streamed are those a render of the whole answer makes
+    assert only_blocks and rendered_as_whole
     # the page put the streamed pieces together right, and sent the system prompt and the settings
     full = httpx.post(url + "/v1/chat/completions", timeout=60, json={
         "model": "tiny", "max_tokens": 150, "temperature": 0, "ignore_eos": True,
@@ -288,3 +299,104 @@ def test_api_key_asked_for_then_used(servers, driver, shots, capsys):
     driver.get(url + "/#dashboard")  # the dashboard's /metrics calls carry the key too
     wait(driver, lambda d: "updated" in by_css(d, "#dash-status")[0].text, "a /metrics poll with the key")
     screenshot(driver, shots, "api_key_entered", capsys)
+
+
+# ---------------------------------------------------------------- answers rendered as Markdown
+
+LINK = 'target="_blank" rel="noopener noreferrer"'
+MARKDOWN_CASES = {
+    "Hi *em*, **strong**, ***both***, `a < b`, ~~gone~~ and snake_case_name":
+        "<p>Hi <em>em</em>, <strong>strong</strong>, <em><strong>both</strong></em>, <code>a &lt; b</code>, "
+        "<del>gone</del> and snake_case_name</p>",
+    "**a *b* c** and *a **b** c* and \\*not\\*":
+        "<p><strong>a <em>b</em> c</strong> and <em>a <strong>b</strong> c</em> and *not*</p>",
+    "# Title #\n### Sub\none\ntwo\n\n---\n> quoted":
+        "<h1>Title</h1><h3>Sub</h3><p>one<br>two</p><hr><blockquote><p>quoted</p></blockquote>",
+    "- a\n- b\n  1. c\n  2. d\n- e":
+        "<ul><li><span>a</span></li><li><span>b</span><ol><li><span>c</span></li><li><span>d</span></li></ol></li>"
+        "<li><span>e</span></li></ul>",
+    "3. three\n\n4. four": '<ol start="3"><li><p>three</p></li><li><p>four</p></li></ol>',
+    "[docs](https://example.com/a?b=1&c=2 \"Docs\") and https://example.com/x.":
+        f'<p><a href="https://example.com/a?b=1&amp;c=2" title="Docs" {LINK}>docs</a> and '
+        f'<a href="https://example.com/x" {LINK}>https://example.com/x</a>.</p>',
+    "| a | b |\n|:--|--:|\n| 1 | **2** |":
+        '<div class="table-wrap"><table><thead><tr><th style="text-align:left">a</th>'
+        '<th style="text-align:right">b</th></tr></thead><tbody><tr><td style="text-align:left">1</td>'
+        '<td style="text-align:right"><strong>2</strong></td></tr></tbody></table></div>',
+    "```python\nif a < b:\n    print('*x*')\n```\nafter":
+        '<div class="code-block"><div class="code-head"><span class="code-lang">python</span><button type="button" '
+        'class="copy-code">Copy</button></div><pre><code class="language-python">if a &lt; b:\n    '
+        "print(&#39;*x*&#39;)</code></pre></div><p>after</p>",
+    "```\nstill streaming": '<div class="code-block"><div class="code-head"><span class="code-lang"></span>'
+                           '<button type="button" class="copy-code">Copy</button></div><pre><code>still streaming'
+                           "</code></pre></div>",
+}
+
+
+def test_markdown_renderer_cases(servers, driver):
+    """markdown.js in the page, on given texts: each case's HTML exactly."""
+    open_page(driver, servers[0])
+    got = driver.execute_script("return arguments[0].map((t) => renderMarkdown(t))", list(MARKDOWN_CASES))
+    assert dict(zip(MARKDOWN_CASES, got)) == MARKDOWN_CASES
+
+
+def test_markdown_escapes_html_and_refuses_unsafe_links(servers, driver, shots, capsys):
+    """The model's text is untrusted: raw HTML shows as text and runs nothing; javascript: and data: links lose
+    their target; an image is a link to it, never fetched."""
+    open_page(driver, servers[0])
+    evil = ('<img src=x onerror="window.pwned=1"> and <script>window.pwned=2</script> <b>bold?</b>\n\n'
+            "[one](javascript:window.pwned=3) [two](JavaScript:alert(1)) [three](data:text/html,hi) "
+            '![pic](https://example.com/p.png) <svg onload="window.pwned=4">\n\n'
+            '```html\n<img src=y onerror="window.pwned=5">\n```\n\n`<iframe src="javascript:alert(1)">`')
+    found = driver.execute_script("""
+        const bubble = document.createElement('div');
+        bubble.className = 'msg assistant';
+        const el = document.createElement('div');
+        el.className = 'content markdown';
+        bubble.append(el);
+        document.getElementById('messages').append(bubble);
+        renderMarkdownInto(el, arguments[0]);
+        return {tags: [...el.querySelectorAll('img, script, svg, iframe, b')].map((e) => e.tagName),
+                hrefs: [...el.querySelectorAll('a')].map((a) => a.getAttribute('href')),
+                text: el.textContent};""", evil)
+    time.sleep(0.3)  # an onerror or onload handler would have run by now
+    screenshot(driver, shots, "markdown_escaped", capsys)
+    assert driver.execute_script("return window.pwned") is None
+    assert found["tags"] == [] and found["hrefs"] == ["https://example.com/p.png"], found
+    for raw in ('<img src=x onerror="window.pwned=1">', "<script>window.pwned=2</script>", "<b>bold?</b>",
+                '<svg onload="window.pwned=4">', '<img src=y onerror="window.pwned=5">',
+                '<iframe src="javascript:alert(1)">'):
+        assert raw in found["text"]
+    assert "one two three pic" in found["text"]
+
+
+def test_code_block_copy_button_puts_the_code_on_the_clipboard(servers, driver, shots, capsys):
+    url = servers[0]
+    driver.execute_cdp_cmd("Browser.grantPermissions", {"origin": url, "permissions": [
+        "clipboardReadWrite", "clipboardSanitizedWrite"]})
+    open_page(driver, url)
+    codes = ["def f(x):\n    return x < 1 and '&'\n\n\tindented", "echo second <block>"]
+    driver.execute_script("""
+        const bubble = document.createElement('div');
+        bubble.className = 'msg assistant';
+        const el = document.createElement('div');
+        el.className = 'content markdown';
+        bubble.append(el);
+        document.getElementById('messages').append(bubble);
+        renderMarkdownInto(el, 'Two blocks:\\n\\n```python\\n' + arguments[0] + '\\n```\\n\\n~~~sh\\n' + arguments[1]
+                               + '\\n~~~\\n');
+        window.realClipboard = navigator.clipboard;""", *codes)
+    shown = driver.execute_script("return [...document.querySelectorAll('.code-block code')].map((c) => c.textContent)")
+    assert shown == codes
+    read_clipboard = "const done = arguments[0]; window.realClipboard.readText().then(done, (e) => done('ERR ' + e));"
+    buttons = by_css(driver, ".code-block .copy-code")
+    assert len(buttons) == 2
+    buttons[0].click()
+    wait(driver, lambda d: buttons[0].text == "Copied", "the first button saying Copied")
+    assert driver.execute_async_script(read_clipboard) == codes[0]
+    screenshot(driver, shots, "code_copied", capsys)
+    # without navigator.clipboard (plain http from another machine): the fallback copies
+    driver.execute_script("Object.defineProperty(navigator, 'clipboard', {value: undefined, configurable: true})")
+    buttons[1].click()
+    wait(driver, lambda d: buttons[1].text == "Copied", "the second button saying Copied")
+    assert driver.execute_async_script(read_clipboard) == codes[1]

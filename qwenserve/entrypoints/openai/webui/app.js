@@ -1,5 +1,5 @@
 // qwenserve's web UI: a chat playground and a live dashboard of /metrics. Plain JS, no libraries, no build
-// step: the server ships these files as they are.
+// step: the server ships these files as they are. markdown.js, loaded first, renders the answers.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -82,16 +82,39 @@ const history = [];       // this conversation's messages, without the system pr
 let controller = null;    // the AbortController of the answer being streamed
 let conversation = 0;     // bumped by "New conversation": an answer of an older one must not land in the new one
 
+// The user's text shows as typed; an answer is rendered as Markdown.
 function addMessage(role, text) {
   const div = document.createElement("div");
   div.className = `msg ${role}`;
-  const content = document.createElement("span");
-  content.className = "content";
+  const content = document.createElement(role === "assistant" ? "div" : "span");
+  content.className = role === "assistant" ? "content markdown" : "content";
   content.textContent = text;
   div.append(content);
   $("messages").append(div);
   div.scrollIntoView({ block: "end" });
   return div;
+}
+
+// Re-renders a streaming answer at most once per animation frame, and less often when one render takes long (it
+// then gets at most a fifth of the time), so a long answer costs no more than that however fast tokens come.
+function streamRenderer(bubble, el) {
+  let text = "", frame = 0, next = 0;
+  const draw = (now) => {
+    if (now < next) {
+      frame = requestAnimationFrame(draw);
+      return;
+    }
+    frame = 0;
+    const start = performance.now();
+    renderMarkdownInto(el, text);
+    next = start + 5 * (performance.now() - start);
+    bubble.scrollIntoView({ block: "end" });
+  };
+  return {
+    update(t) { text = t; frame ||= requestAnimationFrame(draw); },
+    finish(t) { this.cancel(); renderMarkdownInto(el, t); },  // the whole answer, at once
+    cancel() { cancelAnimationFrame(frame); frame = 0; },
+  };
 }
 
 function setBusy(busy) {
@@ -129,6 +152,7 @@ async function send(text) {
   addMessage("user", text);
   const bubble = addMessage("assistant", "");
   const content = bubble.querySelector(".content");
+  const renderer = streamRenderer(bubble, content);
   const system = $("system").value.trim();
   const request = {
     model: $("model").value || undefined,
@@ -161,17 +185,20 @@ async function send(text) {
         first ??= performance.now();
         chunks += 1;
         answer += choice.delta.content;
-        content.textContent = answer;
+        renderer.update(answer);
         bubble.dataset.chunks = chunks;
-        bubble.scrollIntoView({ block: "end" });
       }
     }
+    renderer.finish(answer);
   } catch (e) {
+    renderer.finish(answer);
     if (e.name === "AbortError") {
       stopped = true;  // Stop pressed: the server sees the connection close and aborts the request
     } else {
       bubble.classList.add("error");
-      content.textContent = answer ? `${answer}\n\n[error: ${e.message}]` : `Error: ${e.message}`;
+      const line = document.createElement("p");
+      line.textContent = answer ? `[error: ${e.message}]` : `Error: ${e.message}`;
+      content.append(line);
     }
   } finally {
     controller = null;
