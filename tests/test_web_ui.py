@@ -1,9 +1,12 @@
 """The web UI (/) in a real browser: Debian's headless Chromium driven by selenium through the system chromedriver
-(scripts/ensure_browser.sh installs both), against live servers on a tiny random model. Each test saves a
-screenshot into the directory it prints ($QWENSERVE_SCREENSHOTS, or a pytest temporary directory). The tiny
-model's answers are random text, so the Markdown renderer's own cases run in the page on given strings
-(markdown.js, the code the page uses), and a served answer checks that what streams in is rendered as the whole
-answer would be."""
+(scripts/ensure_browser.sh installs both), against live servers on a tiny random model, and a tiny random Qwen2-VL
+for images. Each test saves a screenshot into the directory it prints ($QWENSERVE_SCREENSHOTS, or a pytest
+temporary directory). The tiny models' answers are random text, so the Markdown renderer's own cases run in the
+page on given strings (markdown.js, the code the page uses), and a served answer checks that what streams in is
+rendered as the whole answer would be."""
+import base64
+import io
+import json
 import os
 import re
 import shutil
@@ -20,6 +23,7 @@ from qwenserve.engine.llm_engine import LLMEngine
 from qwenserve.entrypoints.openai.api_server import build_app
 
 from helpers import live_server, save_hf_dir, tiny_hf_model
+from vl_helpers import random_image, save_hf_vl_dir, tiny_hf_vl_model
 
 pytestmark = pytest.mark.browser
 
@@ -36,6 +40,16 @@ def servers(tmp_path_factory):
     with live_server(build_app(engine, ["tiny", "tiny-b"])) as open_url, \
             live_server(build_app(engine, ["tiny"], api_key=KEY)) as keyed_url:
         yield open_url, keyed_url
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def vl_server(tmp_path_factory):
+    """A tiny random Qwen2-VL: a model that reads images."""
+    path = save_hf_vl_dir(tiny_hf_vl_model("qwen2_vl", seed=5), str(tmp_path_factory.mktemp("ui-vl")))
+    engine = AsyncLLMEngine(LLMEngine(EngineConfig.from_kwargs(model=path, dtype="float32", kv_cache_memory="8MiB")))
+    with live_server(build_app(engine, ["tiny-vl"])) as url:
+        yield url
     engine.shutdown()
 
 
@@ -400,3 +414,84 @@ def test_code_block_copy_button_puts_the_code_on_the_clipboard(servers, driver, 
     buttons[1].click()
     wait(driver, lambda d: buttons[1].text == "Copied", "the second button saying Copied")
     assert driver.execute_async_script(read_clipboard) == codes[1]
+
+
+# ---------------------------------------------------------------- images
+
+def png_file(directory: Path, seed: int) -> Path:
+    path = directory / f"picture-{seed}.png"
+    random_image(56, 84, seed).save(path)
+    return path
+
+
+def pixels(data_url: str):
+    import numpy as np
+    from PIL import Image
+    head, payload = data_url.split(",", 1)
+    assert head == "data:image/png;base64", head
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(payload))).convert("RGB"))
+
+
+def test_text_model_offers_no_image_attach(servers, driver):
+    open_page(driver, servers[0])
+    wait(driver, lambda d: model_options(d) == ["tiny", "tiny-b"], "the model list")
+    assert httpx.get(servers[0] + "/v1/models").json()["data"][0]["capabilities"] == {"vision": False}
+    assert not by_css(driver, "#attach")[0].is_displayed()
+
+
+def test_images_attach_by_picker_and_paste_and_go_as_content_parts(vl_server, driver, shots, capsys, tmp_path):
+    import numpy as np
+    url = vl_server
+    assert httpx.get(url + "/v1/models").json()["data"][0]["capabilities"] == {"vision": True}
+    driver.execute_cdp_cmd("Browser.grantPermissions", {"origin": url, "permissions": [
+        "clipboardReadWrite", "clipboardSanitizedWrite"]})
+    open_page(driver, url)
+    wait(driver, lambda d: model_options(d) == ["tiny-vl"] and d.find_element("id", "attach").is_displayed(),
+         "the model list and the attach button")
+    # the bodies the page posts, as sent (the server answers them as usual)
+    driver.execute_script("""
+        window.posted = [];
+        const fetched = window.fetch;
+        window.fetch = (resource, options) => {
+          if (String(resource).endsWith('/v1/chat/completions')) window.posted.push(options.body);
+          return fetched(resource, options);
+        };""")
+    picked, removed, pasted = (png_file(tmp_path, seed) for seed in (1, 2, 3))
+    by_css(driver, "#attach-input")[0].send_keys(f"{picked}\n{removed}")  # the file picker, two files
+    wait(driver, lambda d: len(by_css(d, "#attachments .thumb img")) == 2, "two thumbnails")
+    by_css(driver, "#attachments .thumb .remove")[1].click()
+    wait(driver, lambda d: len(by_css(d, "#attachments .thumb img")) == 1, "the second one removed")
+
+    # a paste: the PNG put on the clipboard, then Ctrl+V in the message box
+    from selenium.webdriver.common.keys import Keys
+    written = driver.execute_async_script("""
+        const done = arguments[1];
+        const bytes = Uint8Array.from(atob(arguments[0]), (c) => c.charCodeAt(0));
+        navigator.clipboard.write([new ClipboardItem({'image/png': new Blob([bytes], {type: 'image/png'})})])
+          .then(() => done('ok'), (e) => done('ERR ' + e));""",
+        base64.b64encode(pasted.read_bytes()).decode())
+    assert written == "ok", written
+    prompt = by_css(driver, "#prompt")[0]
+    prompt.send_keys("What is in these pictures?")
+    prompt.send_keys(Keys.CONTROL, "v")
+    wait(driver, lambda d: len(by_css(d, "#attachments .thumb img")) == 2, "the pasted image's thumbnail")
+    assert prompt.get_attribute("value") == "What is in these pictures?"
+    screenshot(driver, shots, "images_attached", capsys)
+
+    fill(driver, "temperature", 0)
+    fill(driver, "max-tokens", 8)
+    by_css(driver, "#ignore-eos")[0].click()
+    prompt.send_keys(Keys.ENTER)
+    wait(driver, lambda d: by_css(d, ".msg.assistant .stats"), "the answer's stats line")
+    screenshot(driver, shots, "images_answered", capsys)
+    assert by_css(driver, ".msg.assistant:not(.error) .content")[0].text
+    assert len(by_css(driver, ".msg.user .images img")) == 2 and not by_css(driver, "#attachments .thumb")
+
+    posted = [json.loads(body) for body in driver.execute_script("return window.posted")]
+    assert len(posted) == 1
+    content = posted[0]["messages"][-1]["content"]
+    assert content[0] == {"type": "text", "text": "What is in these pictures?"}
+    assert [part["type"] for part in content[1:]] == ["image_url", "image_url"]
+    # the picked file as it is; the pasted one as the clipboard gives it back (re-encoded: the same pixels)
+    assert content[1]["image_url"]["url"] == "data:image/png;base64," + base64.b64encode(picked.read_bytes()).decode()
+    assert np.array_equal(pixels(content[2]["image_url"]["url"]), np.asarray(random_image(56, 84, 3)))

@@ -71,9 +71,19 @@ async function loadModels() {
   showNotice("");
   const select = $("model");
   const previous = select.value;
-  const ids = (await resp.json()).data.map((m) => m.id);
+  models.clear();
+  for (const m of (await resp.json()).data) models.set(m.id, m);
+  const ids = [...models.keys()];
   select.replaceChildren(...ids.map((id) => new Option(id, id)));
   if (ids.includes(previous)) select.value = previous;
+  showAttach();
+}
+
+const models = new Map();  // id -> its /v1/models entry
+$("model").addEventListener("change", showAttach);
+
+function takesImages() {
+  return models.get($("model").value)?.capabilities?.vision === true;
 }
 
 // ---------------------------------------------------------------- chat
@@ -82,14 +92,21 @@ const history = [];       // this conversation's messages, without the system pr
 let controller = null;    // the AbortController of the answer being streamed
 let conversation = 0;     // bumped by "New conversation": an answer of an older one must not land in the new one
 
-// The user's text shows as typed; an answer is rendered as Markdown.
-function addMessage(role, text) {
+// The user's text shows as typed, with the images it carries; an answer is rendered as Markdown.
+function addMessage(role, text, images = []) {
   const div = document.createElement("div");
   div.className = `msg ${role}`;
   const content = document.createElement(role === "assistant" ? "div" : "span");
   content.className = role === "assistant" ? "content markdown" : "content";
   content.textContent = text;
   div.append(content);
+  if (images.length) {
+    const strip = document.createElement("div");
+    strip.className = "images";
+    const img = (url) => Object.assign(document.createElement("img"), { src: url, alt: "attached image" });
+    strip.append(...images.map(img));
+    div.append(strip);
+  }
   $("messages").append(div);
   div.scrollIntoView({ block: "end" });
   return div;
@@ -147,9 +164,12 @@ async function* sseEvents(body) {
   }
 }
 
-async function send(text) {
-  history.push({ role: "user", content: text });
-  addMessage("user", text);
+// images: data: URLs, sent after the text as OpenAI content parts.
+async function send(text, images = []) {
+  const parts = [...(text ? [{ type: "text", text }] : []),
+    ...images.map((url) => ({ type: "image_url", image_url: { url } }))];
+  history.push({ role: "user", content: images.length ? parts : text });
+  addMessage("user", text, images);
   const bubble = addMessage("assistant", "");
   const content = bubble.querySelector(".content");
   const renderer = streamRenderer(bubble, content);
@@ -233,9 +253,10 @@ function showStats(bubble, start, first, end, usage, chunks, finish) {
 $("chat-form").addEventListener("submit", (e) => {
   e.preventDefault();
   const text = $("prompt").value.trim();
-  if (!text || controller) return;
+  if ((!text && !attached.length) || controller) return;
   $("prompt").value = "";
-  send(text);
+  send(text, attached.splice(0));
+  showAttachments();
 });
 $("prompt").addEventListener("keydown", (e) => {
   if (e.key === "Enter" && !e.shiftKey) {
@@ -249,6 +270,65 @@ $("clear").addEventListener("click", () => {
   conversation += 1;
   history.length = 0;
   $("messages").replaceChildren();
+});
+
+// ---------------------------------------------------------------- images for the next message
+
+const attached = [];  // data: URLs of the images the next message carries
+
+// The attach button, paste and drop work only while the chosen model reads images.
+function showAttach() {
+  $("attach").hidden = !takesImages();
+  if (!takesImages()) attached.length = 0;
+  showAttachments();
+}
+
+function showAttachments() {
+  $("attachments").hidden = !attached.length;
+  $("attachments").replaceChildren(...attached.map((url, k) => {
+    const thumb = document.createElement("div");
+    thumb.className = "thumb";
+    const img = Object.assign(document.createElement("img"), { src: url, alt: `image ${k + 1}` });
+    const remove = Object.assign(document.createElement("button"),
+      { type: "button", className: "remove", textContent: "×", title: "Remove this image" });
+    remove.addEventListener("click", () => { attached.splice(k, 1); showAttachments(); });
+    thumb.append(img, remove);
+    return thumb;
+  }));
+}
+
+function readAsDataUrl(file) {
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result);
+    reader.onerror = () => reject(reader.error);
+    reader.readAsDataURL(file);
+  });
+}
+
+async function attachFiles(files) {
+  const images = [...files].filter((f) => f.type.startsWith("image/"));
+  if (!images.length || !takesImages()) return false;
+  attached.push(...await Promise.all(images.map(readAsDataUrl)));
+  showAttachments();
+  return true;
+}
+
+$("attach").addEventListener("click", () => $("attach-input").click());
+$("attach-input").addEventListener("change", async (e) => {
+  await attachFiles(e.target.files);
+  e.target.value = "";  // the same file again is a change too
+});
+$("prompt").addEventListener("paste", (e) => {  // a screenshot on the clipboard; the text of a paste goes on
+  const files = [...(e.clipboardData?.items || [])].filter((item) => item.kind === "file")
+    .map((item) => item.getAsFile()).filter(Boolean);
+  if (files.length) attachFiles(files);
+});
+$("chat-form").addEventListener("dragover", (e) => { if (takesImages()) e.preventDefault(); });
+$("chat-form").addEventListener("drop", (e) => {
+  if (!takesImages()) return;
+  e.preventDefault();
+  attachFiles(e.dataTransfer.files);
 });
 
 // ---------------------------------------------------------------- dashboard: Prometheus text
