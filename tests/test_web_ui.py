@@ -354,6 +354,25 @@ def test_markdown_renderer_cases(servers, driver):
     assert dict(zip(MARKDOWN_CASES, got)) == MARKDOWN_CASES
 
 
+
+def test_markdown_rerender_keeps_the_unchanged_blocks(servers, driver):
+    """While an answer streams, a render replaces only the blocks that changed: the earlier ones stay the same
+    elements (no flicker, a selection or a hovered Copy button in them survives)."""
+    open_page(driver, servers[0])
+    streaming = "# Title\n\nfirst paragraph\n\n```js\nlet a"
+    whole = "# Title\n\nfirst paragraph\n\n```js\nlet a = 1;\n```\n\n- x"
+    kept, replaced, html = driver.execute_script("""
+        const el = document.createElement('div');
+        renderMarkdownInto(el, arguments[0]);
+        const before = [...el.children];
+        renderMarkdownInto(el, arguments[1]);
+        const after = [...el.children];
+        return [before.map((node, k) => node === after[k]), after.length,
+                el.innerHTML === renderMarkdown(arguments[1])];""",
+        streaming, whole)
+    assert kept == [True, True, False] and replaced == 4 and html
+
+
 def test_markdown_escapes_html_and_refuses_unsafe_links(servers, driver, shots, capsys):
     """The model's text is untrusted: raw HTML shows as text and runs nothing; javascript: and data: links lose
     their target; an image is a link to it, never fetched."""
