@@ -458,7 +458,7 @@ def test_text_model_offers_no_image_attach(servers, driver):
     assert not by_css(driver, "#attach")[0].is_displayed()
 
 
-def test_images_attach_by_picker_and_paste_and_go_as_content_parts(vl_server, driver, shots, capsys, tmp_path):
+def test_images_attach_by_picker_paste_and_drop_and_go_as_content_parts(vl_server, driver, shots, capsys, tmp_path):
     import numpy as np
     url = vl_server
     assert httpx.get(url + "/v1/models").json()["data"][0]["capabilities"] == {"vision": True}
@@ -475,7 +475,7 @@ def test_images_attach_by_picker_and_paste_and_go_as_content_parts(vl_server, dr
           if (String(resource).endsWith('/v1/chat/completions')) window.posted.push(options.body);
           return fetched(resource, options);
         };""")
-    picked, removed, pasted = (png_file(tmp_path, seed) for seed in (1, 2, 3))
+    picked, removed, pasted, dropped = (png_file(tmp_path, seed) for seed in (1, 2, 3, 4))
     by_css(driver, "#attach-input")[0].send_keys(f"{picked}\n{removed}")  # the file picker, two files
     wait(driver, lambda d: len(by_css(d, "#attachments .thumb img")) == 2, "two thumbnails")
     by_css(driver, "#attachments .thumb .remove")[1].click()
@@ -495,6 +495,15 @@ def test_images_attach_by_picker_and_paste_and_go_as_content_parts(vl_server, dr
     prompt.send_keys(Keys.CONTROL, "v")
     wait(driver, lambda d: len(by_css(d, "#attachments .thumb img")) == 2, "the pasted image's thumbnail")
     assert prompt.get_attribute("value") == "What is in these pictures?"
+    # a drop (an event made in the page: webdriver cannot drag a file in from outside the browser)
+    driver.execute_script("""
+        const bytes = Uint8Array.from(atob(arguments[0]), (c) => c.charCodeAt(0));
+        const files = new DataTransfer();
+        files.items.add(new File([bytes], 'dropped.png', {type: 'image/png'}));
+        document.getElementById('chat-form').dispatchEvent(
+          new DragEvent('drop', {dataTransfer: files, bubbles: true, cancelable: true}));""",
+        base64.b64encode(dropped.read_bytes()).decode())
+    wait(driver, lambda d: len(by_css(d, "#attachments .thumb img")) == 3, "the dropped image's thumbnail")
     screenshot(driver, shots, "images_attached", capsys)
 
     fill(driver, "temperature", 0)
@@ -504,13 +513,15 @@ def test_images_attach_by_picker_and_paste_and_go_as_content_parts(vl_server, dr
     wait(driver, lambda d: by_css(d, ".msg.assistant .stats"), "the answer's stats line")
     screenshot(driver, shots, "images_answered", capsys)
     assert by_css(driver, ".msg.assistant:not(.error) .content")[0].text
-    assert len(by_css(driver, ".msg.user .images img")) == 2 and not by_css(driver, "#attachments .thumb")
+    assert len(by_css(driver, ".msg.user .images img")) == 3 and not by_css(driver, "#attachments .thumb")
 
     posted = [json.loads(body) for body in driver.execute_script("return window.posted")]
     assert len(posted) == 1
     content = posted[0]["messages"][-1]["content"]
     assert content[0] == {"type": "text", "text": "What is in these pictures?"}
-    assert [part["type"] for part in content[1:]] == ["image_url", "image_url"]
-    # the picked file as it is; the pasted one as the clipboard gives it back (re-encoded: the same pixels)
+    assert [part["type"] for part in content[1:]] == ["image_url"] * 3
+    # the picked and dropped files as they are; the pasted one as the clipboard gives it back (re-encoded: the
+    # same pixels)
     assert content[1]["image_url"]["url"] == "data:image/png;base64," + base64.b64encode(picked.read_bytes()).decode()
     assert np.array_equal(pixels(content[2]["image_url"]["url"]), np.asarray(random_image(56, 84, 3)))
+    assert content[3]["image_url"]["url"] == "data:image/png;base64," + base64.b64encode(dropped.read_bytes()).decode()

@@ -308,10 +308,9 @@ function readAsDataUrl(file) {
 
 async function attachFiles(files) {
   const images = [...files].filter((f) => f.type.startsWith("image/"));
-  if (!images.length || !takesImages()) return false;
+  if (!images.length || !takesImages()) return;
   attached.push(...await Promise.all(images.map(readAsDataUrl)));
   showAttachments();
-  return true;
 }
 
 $("attach").addEventListener("click", () => $("attach-input").click());
@@ -326,7 +325,7 @@ $("prompt").addEventListener("paste", (e) => {  // a screenshot on the clipboard
 });
 $("chat-form").addEventListener("dragover", (e) => { if (takesImages()) e.preventDefault(); });
 $("chat-form").addEventListener("drop", (e) => {
-  if (!takesImages()) return;
+  if (!takesImages() || !e.dataTransfer.files.length) return;  // dropped text goes into the message box
   e.preventDefault();
   attachFiles(e.dataTransfer.files);
 });
