@@ -63,17 +63,23 @@ const BARE_URL = /https?:\/\/[^\s<>]*[^\s<>?!.,:;*_~'")\]]/y;
 // One paragraph's (or heading's, or cell's) text as HTML. Code spans, links and escapes are read left to right;
 // emphasis follows CommonMark's delimiter runs (flanking, the rule of three), strikethrough is GFM's ~~.
 // Results are kept for the texts of recent calls: while an answer streams, its finished paragraphs come again on
-// every render, unchanged.
+// every render, unchanged. The cache is emptied past INLINE_CACHE_CHARS of text (the paragraph still streaming
+// adds a longer key every frame).
 const inlineCache = new Map();
-const INLINE_CACHE_SIZE = 2000;
+const INLINE_CACHE_CHARS = 1 << 20;
+let inlineCacheChars = 0;
 
 function mdInline(s, inLink = false) {
   const key = (inLink ? "1" : "0") + s;
   let html = inlineCache.get(key);
   if (html === undefined) {
     html = mdInlineUncached(s, inLink);
-    if (inlineCache.size >= INLINE_CACHE_SIZE) inlineCache.clear();
+    if (inlineCacheChars + key.length > INLINE_CACHE_CHARS) {
+      inlineCache.clear();
+      inlineCacheChars = 0;
+    }
     inlineCache.set(key, html);
+    inlineCacheChars += key.length;
   }
   return html;
 }
