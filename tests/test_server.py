@@ -104,6 +104,8 @@ def test_repeated_prompt_reports_cached_tokens(client):
 
 def test_models_health_tokenize(client, server):
     assert [m.id for m in client.models.list().data] == ["tiny", "tiny-alias"]
+    models = httpx.get(server[0] + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()["data"]
+    assert [m["capabilities"] for m in models] == [{"vision": False}] * 2  # a text-only model: no image input
     assert httpx.get(server[0] + "/health").status_code == 200  # open without the key
     headers = {"Authorization": f"Bearer {KEY}"}
     ids = httpx.post(server[0] + "/tokenize", json={"prompt": "hello"}, headers=headers).json()["tokens"]

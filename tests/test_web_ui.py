@@ -1,6 +1,12 @@
 """The web UI (/) in a real browser: Debian's headless Chromium driven by selenium through the system chromedriver
-(scripts/ensure_browser.sh installs both), against live servers on a tiny random model. Each test saves a
-screenshot into the directory it prints ($QWENSERVE_SCREENSHOTS, or a pytest temporary directory)."""
+(scripts/ensure_browser.sh installs both), against live servers on a tiny random model, and a tiny random Qwen2-VL
+for images. Each test saves a screenshot into the directory it prints ($QWENSERVE_SCREENSHOTS, or a pytest
+temporary directory). The tiny models' answers are random text, so the Markdown renderer's own cases run in the
+page on given strings (markdown.js, the code the page uses), and a served answer checks that what streams in is
+rendered as the whole answer would be."""
+import base64
+import io
+import json
 import os
 import re
 import shutil
@@ -17,6 +23,7 @@ from qwenserve.engine.llm_engine import LLMEngine
 from qwenserve.entrypoints.openai.api_server import build_app
 
 from helpers import live_server, save_hf_dir, tiny_hf_model
+from vl_helpers import random_image, save_hf_vl_dir, tiny_hf_vl_model
 
 pytestmark = pytest.mark.browser
 
@@ -33,6 +40,16 @@ def servers(tmp_path_factory):
     with live_server(build_app(engine, ["tiny", "tiny-b"])) as open_url, \
             live_server(build_app(engine, ["tiny"], api_key=KEY)) as keyed_url:
         yield open_url, keyed_url
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def vl_server(tmp_path_factory):
+    """A tiny random Qwen2-VL: a model that reads images."""
+    path = save_hf_vl_dir(tiny_hf_vl_model("qwen2_vl", seed=5), str(tmp_path_factory.mktemp("ui-vl")))
+    engine = AsyncLLMEngine(LLMEngine(EngineConfig.from_kwargs(model=path, dtype="float32", kv_cache_memory="8MiB")))
+    with live_server(build_app(engine, ["tiny-vl"])) as url:
+        yield url
     engine.shutdown()
 
 
@@ -125,17 +142,22 @@ def test_chat_streams_the_answer_with_ttft_and_speed(servers, driver, shots, cap
     fill(driver, "temperature", 0)
     fill(driver, "max-tokens", 150)
     by_css(driver, "#ignore-eos")[0].click()
-    # record the answer's length at every change the page makes to it
+    # record the length of the answer's text the page shows at every change it makes to the page
     driver.execute_script("""
         window.lengths = [];
         new MutationObserver(() => {
           const el = document.querySelector('.msg.assistant .content');
-          if (el) window.lengths.push(el.textContent.length);
+          if (el) window.lengths.push(el.markdownSource?.length ?? 0);
         }).observe(document.getElementById('messages'), {subtree: true, childList: true, characterData: true});""")
     send_message(driver, "hello there")
     wait(driver, lambda d: by_css(d, ".msg.assistant .stats"), "the answer's stats line")
     stats = by_css(driver, ".msg.assistant .stats")[0].text
-    answer = driver.execute_script("return document.querySelector('.msg.assistant .content').textContent")
+    answer, rendered_as_whole, only_blocks = driver.execute_script("""
+        const el = document.querySelector('.msg.assistant .content');
+        const whole = document.createElement('div');
+        renderMarkdownInto(whole, el.markdownSource);
+        return [el.markdownSource, el.innerHTML === whole.innerHTML,
+                el.childNodes.length > 0 && [...el.childNodes].every((n) => n.nodeType === Node.ELEMENT_NODE)];""")
     lengths = driver.execute_script("return window.lengths")
     chunks = int(by_css(driver, ".msg.assistant")[0].get_attribute("data-chunks"))
     screenshot(driver, shots, "chat_streamed", capsys)
@@ -144,6 +166,9 @@ def test_chat_streams_the_answer_with_ttft_and_speed(servers, driver, shots, cap
     assert "– tok/s" not in stats
     growing = [n for n in lengths if n > 0]
     assert chunks > 1 and len(set(growing)) >= 3 and growing == sorted(growing), (chunks, lengths)
+    # rendered as Markdown (every piece of text inside a block element), and the blocks kept from the renders made
+    # while it streamed are those a render of the whole answer makes
+    assert only_blocks and rendered_as_whole
     # the page put the streamed pieces together right, and sent the system prompt and the settings
     full = httpx.post(url + "/v1/chat/completions", timeout=60, json={
         "model": "tiny", "max_tokens": 150, "temperature": 0, "ignore_eos": True,
@@ -288,3 +313,215 @@ def test_api_key_asked_for_then_used(servers, driver, shots, capsys):
     driver.get(url + "/#dashboard")  # the dashboard's /metrics calls carry the key too
     wait(driver, lambda d: "updated" in by_css(d, "#dash-status")[0].text, "a /metrics poll with the key")
     screenshot(driver, shots, "api_key_entered", capsys)
+
+
+# ---------------------------------------------------------------- answers rendered as Markdown
+
+LINK = 'target="_blank" rel="noopener noreferrer"'
+MARKDOWN_CASES = {
+    "Hi *em*, **strong**, ***both***, `a < b`, ~~gone~~ and snake_case_name":
+        "<p>Hi <em>em</em>, <strong>strong</strong>, <em><strong>both</strong></em>, <code>a &lt; b</code>, "
+        "<del>gone</del> and snake_case_name</p>",
+    "**a *b* c** and *a **b** c* and \\*not\\*":
+        "<p><strong>a <em>b</em> c</strong> and <em>a <strong>b</strong> c</em> and *not*</p>",
+    "# Title #\n### Sub\none\ntwo\n\n---\n> quoted":
+        "<h1>Title</h1><h3>Sub</h3><p>one<br>two</p><hr><blockquote><p>quoted</p></blockquote>",
+    "- a\n- b\n  1. c\n  2. d\n- e":
+        "<ul><li><span>a</span></li><li><span>b</span><ol><li><span>c</span></li><li><span>d</span></li></ol></li>"
+        "<li><span>e</span></li></ul>",
+    "3. three\n\n4. four": '<ol start="3"><li><p>three</p></li><li><p>four</p></li></ol>',
+    "[docs](https://example.com/a?b=1&c=2 \"Docs\") and https://example.com/x.":
+        f'<p><a href="https://example.com/a?b=1&amp;c=2" title="Docs" {LINK}>docs</a> and '
+        f'<a href="https://example.com/x" {LINK}>https://example.com/x</a>.</p>',
+    "| a | b |\n|:--|--:|\n| 1 | **2** |":
+        '<div class="table-wrap"><table><thead><tr><th style="text-align:left">a</th>'
+        '<th style="text-align:right">b</th></tr></thead><tbody><tr><td style="text-align:left">1</td>'
+        '<td style="text-align:right"><strong>2</strong></td></tr></tbody></table></div>',
+    "```python\nif a < b:\n    print('*x*')\n```\nafter":
+        '<div class="code-block"><div class="code-head"><span class="code-lang">python</span><button type="button" '
+        'class="copy-code">Copy</button></div><pre><code class="language-python">if a &lt; b:\n    '
+        "print(&#39;*x*&#39;)</code></pre></div><p>after</p>",
+    "```\nstill streaming": '<div class="code-block"><div class="code-head"><span class="code-lang"></span>'
+                           '<button type="button" class="copy-code">Copy</button></div><pre><code>still streaming'
+                           "</code></pre></div>",
+}
+
+
+def test_markdown_renderer_cases(servers, driver):
+    """markdown.js in the page, on given texts: each case's HTML exactly."""
+    open_page(driver, servers[0])
+    got = driver.execute_script("return arguments[0].map((t) => renderMarkdown(t))", list(MARKDOWN_CASES))
+    assert dict(zip(MARKDOWN_CASES, got)) == MARKDOWN_CASES
+
+
+
+def test_markdown_rerender_keeps_the_unchanged_blocks(servers, driver):
+    """While an answer streams, a render replaces only the blocks that changed: the earlier ones stay the same
+    elements (no flicker, a selection or a hovered Copy button in them survives)."""
+    open_page(driver, servers[0])
+    streaming = "# Title\n\nfirst paragraph\n\n```js\nlet a"
+    whole = "# Title\n\nfirst paragraph\n\n```js\nlet a = 1;\n```\n\n- x"
+    kept, replaced, html = driver.execute_script("""
+        const el = document.createElement('div');
+        renderMarkdownInto(el, arguments[0]);
+        const before = [...el.children];
+        renderMarkdownInto(el, arguments[1]);
+        const after = [...el.children];
+        return [before.map((node, k) => node === after[k]), after.length,
+                el.innerHTML === renderMarkdown(arguments[1])];""",
+        streaming, whole)
+    assert kept == [True, True, False] and replaced == 4 and html
+
+
+def test_markdown_escapes_html_and_refuses_unsafe_links(servers, driver, shots, capsys):
+    """The model's text is untrusted: raw HTML shows as text and runs nothing; javascript: and data: links lose
+    their target; an image is a link to it, never fetched."""
+    open_page(driver, servers[0])
+    evil = ('<img src=x onerror="window.pwned=1"> and <script>window.pwned=2</script> <b>bold?</b>\n\n'
+            "[one](javascript:window.pwned=3) [two](JavaScript:alert(1)) [three](data:text/html,hi) "
+            '![pic](https://example.com/p.png) <svg onload="window.pwned=4">\n\n'
+            '```html\n<img src=y onerror="window.pwned=5">\n```\n\n`<iframe src="javascript:alert(1)">`')
+    found = driver.execute_script("""
+        const bubble = document.createElement('div');
+        bubble.className = 'msg assistant';
+        const el = document.createElement('div');
+        el.className = 'content markdown';
+        bubble.append(el);
+        document.getElementById('messages').append(bubble);
+        renderMarkdownInto(el, arguments[0]);
+        return {tags: [...el.querySelectorAll('img, script, svg, iframe, b')].map((e) => e.tagName),
+                hrefs: [...el.querySelectorAll('a')].map((a) => a.getAttribute('href')),
+                text: el.textContent};""", evil)
+    time.sleep(0.3)  # an onerror or onload handler would have run by now
+    screenshot(driver, shots, "markdown_escaped", capsys)
+    assert driver.execute_script("return window.pwned") is None
+    assert found["tags"] == [] and found["hrefs"] == ["https://example.com/p.png"], found
+    for raw in ('<img src=x onerror="window.pwned=1">', "<script>window.pwned=2</script>", "<b>bold?</b>",
+                '<svg onload="window.pwned=4">', '<img src=y onerror="window.pwned=5">',
+                '<iframe src="javascript:alert(1)">'):
+        assert raw in found["text"]
+    assert "one two three pic" in found["text"]
+
+
+def test_code_block_copy_button_puts_the_code_on_the_clipboard(servers, driver, shots, capsys):
+    url = servers[0]
+    driver.execute_cdp_cmd("Browser.grantPermissions", {"origin": url, "permissions": [
+        "clipboardReadWrite", "clipboardSanitizedWrite"]})
+    open_page(driver, url)
+    codes = ["def f(x):\n    return x < 1 and '&'\n\n\tindented", "echo second <block>"]
+    driver.execute_script("""
+        const bubble = document.createElement('div');
+        bubble.className = 'msg assistant';
+        const el = document.createElement('div');
+        el.className = 'content markdown';
+        bubble.append(el);
+        document.getElementById('messages').append(bubble);
+        renderMarkdownInto(el, 'Two blocks:\\n\\n```python\\n' + arguments[0] + '\\n```\\n\\n~~~sh\\n' + arguments[1]
+                               + '\\n~~~\\n');
+        window.realClipboard = navigator.clipboard;""", *codes)
+    shown = driver.execute_script("return [...document.querySelectorAll('.code-block code')].map((c) => c.textContent)")
+    assert shown == codes
+    read_clipboard = "const done = arguments[0]; window.realClipboard.readText().then(done, (e) => done('ERR ' + e));"
+    buttons = by_css(driver, ".code-block .copy-code")
+    assert len(buttons) == 2
+    buttons[0].click()
+    wait(driver, lambda d: buttons[0].text == "Copied", "the first button saying Copied")
+    assert driver.execute_async_script(read_clipboard) == codes[0]
+    screenshot(driver, shots, "code_copied", capsys)
+    # without navigator.clipboard (plain http from another machine): the fallback copies
+    driver.execute_script("Object.defineProperty(navigator, 'clipboard', {value: undefined, configurable: true})")
+    buttons[1].click()
+    wait(driver, lambda d: buttons[1].text == "Copied", "the second button saying Copied")
+    assert driver.execute_async_script(read_clipboard) == codes[1]
+
+
+# ---------------------------------------------------------------- images
+
+def png_file(directory: Path, seed: int) -> Path:
+    path = directory / f"picture-{seed}.png"
+    random_image(56, 84, seed).save(path)
+    return path
+
+
+def pixels(data_url: str):
+    import numpy as np
+    from PIL import Image
+    head, payload = data_url.split(",", 1)
+    assert head == "data:image/png;base64", head
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(payload))).convert("RGB"))
+
+
+def test_text_model_offers_no_image_attach(servers, driver):
+    open_page(driver, servers[0])
+    wait(driver, lambda d: model_options(d) == ["tiny", "tiny-b"], "the model list")
+    assert httpx.get(servers[0] + "/v1/models").json()["data"][0]["capabilities"] == {"vision": False}
+    assert not by_css(driver, "#attach")[0].is_displayed()
+
+
+def test_images_attach_by_picker_paste_and_drop_and_go_as_content_parts(vl_server, driver, shots, capsys, tmp_path):
+    import numpy as np
+    url = vl_server
+    assert httpx.get(url + "/v1/models").json()["data"][0]["capabilities"] == {"vision": True}
+    driver.execute_cdp_cmd("Browser.grantPermissions", {"origin": url, "permissions": [
+        "clipboardReadWrite", "clipboardSanitizedWrite"]})
+    open_page(driver, url)
+    wait(driver, lambda d: model_options(d) == ["tiny-vl"] and d.find_element("id", "attach").is_displayed(),
+         "the model list and the attach button")
+    # the bodies the page posts, as sent (the server answers them as usual)
+    driver.execute_script("""
+        window.posted = [];
+        const fetched = window.fetch;
+        window.fetch = (resource, options) => {
+          if (String(resource).endsWith('/v1/chat/completions')) window.posted.push(options.body);
+          return fetched(resource, options);
+        };""")
+    picked, removed, pasted, dropped = (png_file(tmp_path, seed) for seed in (1, 2, 3, 4))
+    by_css(driver, "#attach-input")[0].send_keys(f"{picked}\n{removed}")  # the file picker, two files
+    wait(driver, lambda d: len(by_css(d, "#attachments .thumb img")) == 2, "two thumbnails")
+    by_css(driver, "#attachments .thumb .remove")[1].click()
+    wait(driver, lambda d: len(by_css(d, "#attachments .thumb img")) == 1, "the second one removed")
+
+    # a paste: the PNG put on the clipboard, then Ctrl+V in the message box
+    from selenium.webdriver.common.keys import Keys
+    written = driver.execute_async_script("""
+        const done = arguments[1];
+        const bytes = Uint8Array.from(atob(arguments[0]), (c) => c.charCodeAt(0));
+        navigator.clipboard.write([new ClipboardItem({'image/png': new Blob([bytes], {type: 'image/png'})})])
+          .then(() => done('ok'), (e) => done('ERR ' + e));""",
+        base64.b64encode(pasted.read_bytes()).decode())
+    assert written == "ok", written
+    prompt = by_css(driver, "#prompt")[0]
+    prompt.send_keys("What is in these pictures?")
+    prompt.send_keys(Keys.CONTROL, "v")
+    wait(driver, lambda d: len(by_css(d, "#attachments .thumb img")) == 2, "the pasted image's thumbnail")
+    assert prompt.get_attribute("value") == "What is in these pictures?"
+    # a drop (an event made in the page: webdriver cannot drag a file in from outside the browser)
+    driver.execute_script("""
+        const bytes = Uint8Array.from(atob(arguments[0]), (c) => c.charCodeAt(0));
+        const files = new DataTransfer();
+        files.items.add(new File([bytes], 'dropped.png', {type: 'image/png'}));
+        document.getElementById('chat-form').dispatchEvent(
+          new DragEvent('drop', {dataTransfer: files, bubbles: true, cancelable: true}));""",
+        base64.b64encode(dropped.read_bytes()).decode())
+    wait(driver, lambda d: len(by_css(d, "#attachments .thumb img")) == 3, "the dropped image's thumbnail")
+    screenshot(driver, shots, "images_attached", capsys)
+
+    fill(driver, "temperature", 0)
+    fill(driver, "max-tokens", 8)
+    by_css(driver, "#ignore-eos")[0].click()
+    prompt.send_keys(Keys.ENTER)
+    wait(driver, lambda d: by_css(d, ".msg.assistant .stats"), "the answer's stats line")
+    screenshot(driver, shots, "images_answered", capsys)
+    assert by_css(driver, ".msg.assistant:not(.error) .content")[0].text
+    assert len(by_css(driver, ".msg.user .images img")) == 3 and not by_css(driver, "#attachments .thumb")
+
+    posted = [json.loads(body) for body in driver.execute_script("return window.posted")]
+    assert len(posted) == 1
+    content = posted[0]["messages"][-1]["content"]
+    assert content[0] == {"type": "text", "text": "What is in these pictures?"}
+    assert [part["type"] for part in content[1:]] == ["image_url"] * 3
+    # the picked and dropped files as they are; the pasted one as the clipboard gives it back (re-encoded: the
+    # same pixels)
+    assert content[1]["image_url"]["url"] == "data:image/png;base64," + base64.b64encode(picked.read_bytes()).decode()
+    assert np.array_equal(pixels(content[2]["image_url"]["url"]), np.asarray(random_image(56, 84, 3)))
+    assert content[3]["image_url"]["url"] == "data:image/png;base64," + base64.b64encode(dropped.read_bytes()).decode()

@@ -69,6 +69,7 @@ class AsyncLLMEngine:
         self.tokenizer = engine.tokenizer
         self.model_id = engine.model_id
         self.max_model_len = engine.max_model_len
+        self.supports_images = engine.resolved_model.config.vision is not None  # a vision-language checkpoint
         self.generation_defaults = engine.generation_defaults
         self.max_num_seqs = engine.config.scheduler.max_num_seqs
         self.kv_cache_tokens = engine.kv_cache_tokens  # the most one request's sequences can ever hold

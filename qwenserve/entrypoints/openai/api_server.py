@@ -76,7 +76,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: st
     if engine.generation_defaults:
         logger.info("sampling defaults from generation_config (used when a request does not set them): %s",
                     engine.generation_defaults)
-    serving_models = OpenAIServingModels(served_model_names, engine.max_model_len)
+    serving_models = OpenAIServingModels(served_model_names, engine.max_model_len, vision=engine.supports_images)
     serving_completion = OpenAIServingCompletion(engine, serving_models, server_metrics, max_n, log_requests)
     serving_chat = OpenAIServingChat(engine, serving_models, server_metrics, max_n, log_requests)
     serving_tokenization = OpenAIServingTokenization(engine.tokenizer, serving_models)

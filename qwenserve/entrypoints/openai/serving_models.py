@@ -7,9 +7,12 @@ from qwenserve.entrypoints.openai.serving_engine import APIError
 
 
 class OpenAIServingModels:
-    def __init__(self, served_model_names: list[str], max_model_len: int):
+    def __init__(self, served_model_names: list[str], max_model_len: int, vision: bool = False):
+        """vision: the model reads images (a vision-language checkpoint); /v1/models says so, and the web UI then
+        offers to attach them."""
         self.names = list(served_model_names)
         self.max_model_len = max_model_len
+        self.vision = vision
         self.created = int(time.time())
 
     def model_name(self, requested: str | None) -> str:
@@ -22,4 +25,4 @@ class OpenAIServingModels:
     def show_available_models(self) -> dict:
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": self.created, "owned_by": "qwenserve",
-             "max_model_len": self.max_model_len} for name in self.names]}
+             "max_model_len": self.max_model_len, "capabilities": {"vision": self.vision}} for name in self.names]}

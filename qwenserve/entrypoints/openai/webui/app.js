@@ -1,5 +1,5 @@
 // qwenserve's web UI: a chat playground and a live dashboard of /metrics. Plain JS, no libraries, no build
-// step: the server ships these files as they are.
+// step: the server ships these files as they are. markdown.js, loaded first, renders the answers.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -71,9 +71,19 @@ async function loadModels() {
   showNotice("");
   const select = $("model");
   const previous = select.value;
-  const ids = (await resp.json()).data.map((m) => m.id);
+  models.clear();
+  for (const m of (await resp.json()).data) models.set(m.id, m);
+  const ids = [...models.keys()];
   select.replaceChildren(...ids.map((id) => new Option(id, id)));
   if (ids.includes(previous)) select.value = previous;
+  showAttach();
+}
+
+const models = new Map();  // id -> its /v1/models entry
+$("model").addEventListener("change", showAttach);
+
+function takesImages() {
+  return models.get($("model").value)?.capabilities?.vision === true;
 }
 
 // ---------------------------------------------------------------- chat
@@ -82,16 +92,46 @@ const history = [];       // this conversation's messages, without the system pr
 let controller = null;    // the AbortController of the answer being streamed
 let conversation = 0;     // bumped by "New conversation": an answer of an older one must not land in the new one
 
-function addMessage(role, text) {
+// The user's text shows as typed, with the images it carries; an answer is rendered as Markdown.
+function addMessage(role, text, images = []) {
   const div = document.createElement("div");
   div.className = `msg ${role}`;
-  const content = document.createElement("span");
-  content.className = "content";
+  const content = document.createElement(role === "assistant" ? "div" : "span");
+  content.className = role === "assistant" ? "content markdown" : "content";
   content.textContent = text;
   div.append(content);
+  if (images.length) {
+    const strip = document.createElement("div");
+    strip.className = "images";
+    const img = (url) => Object.assign(document.createElement("img"), { src: url, alt: "attached image" });
+    strip.append(...images.map(img));
+    div.append(strip);
+  }
   $("messages").append(div);
   div.scrollIntoView({ block: "end" });
   return div;
+}
+
+// Re-renders a streaming answer at most once per animation frame, and less often when one render takes long (it
+// then gets at most a fifth of the time), so a long answer costs no more than that however fast tokens come.
+function streamRenderer(bubble, el) {
+  let text = "", frame = 0, next = 0;
+  const draw = (now) => {
+    if (now < next) {
+      frame = requestAnimationFrame(draw);
+      return;
+    }
+    frame = 0;
+    const start = performance.now();
+    renderMarkdownInto(el, text);
+    next = start + 5 * (performance.now() - start);
+    bubble.scrollIntoView({ block: "end" });
+  };
+  return {
+    update(t) { text = t; frame ||= requestAnimationFrame(draw); },
+    finish(t) { this.cancel(); renderMarkdownInto(el, t); },  // the whole answer, at once
+    cancel() { cancelAnimationFrame(frame); frame = 0; },
+  };
 }
 
 function setBusy(busy) {
@@ -124,11 +164,15 @@ async function* sseEvents(body) {
   }
 }
 
-async function send(text) {
-  history.push({ role: "user", content: text });
-  addMessage("user", text);
+// images: data: URLs, sent after the text as OpenAI content parts.
+async function send(text, images = []) {
+  const parts = [...(text ? [{ type: "text", text }] : []),
+    ...images.map((url) => ({ type: "image_url", image_url: { url } }))];
+  history.push({ role: "user", content: images.length ? parts : text });
+  addMessage("user", text, images);
   const bubble = addMessage("assistant", "");
   const content = bubble.querySelector(".content");
+  const renderer = streamRenderer(bubble, content);
   const system = $("system").value.trim();
   const request = {
     model: $("model").value || undefined,
@@ -161,17 +205,20 @@ async function send(text) {
         first ??= performance.now();
         chunks += 1;
         answer += choice.delta.content;
-        content.textContent = answer;
+        renderer.update(answer);
         bubble.dataset.chunks = chunks;
-        bubble.scrollIntoView({ block: "end" });
       }
     }
+    renderer.finish(answer);
   } catch (e) {
+    renderer.finish(answer);
     if (e.name === "AbortError") {
       stopped = true;  // Stop pressed: the server sees the connection close and aborts the request
     } else {
       bubble.classList.add("error");
-      content.textContent = answer ? `${answer}\n\n[error: ${e.message}]` : `Error: ${e.message}`;
+      const line = document.createElement("p");
+      line.textContent = answer ? `[error: ${e.message}]` : `Error: ${e.message}`;
+      content.append(line);
     }
   } finally {
     controller = null;
@@ -206,9 +253,10 @@ function showStats(bubble, start, first, end, usage, chunks, finish) {
 $("chat-form").addEventListener("submit", (e) => {
   e.preventDefault();
   const text = $("prompt").value.trim();
-  if (!text || controller) return;
+  if ((!text && !attached.length) || controller) return;
   $("prompt").value = "";
-  send(text);
+  send(text, attached.splice(0));
+  showAttachments();
 });
 $("prompt").addEventListener("keydown", (e) => {
   if (e.key === "Enter" && !e.shiftKey) {
@@ -222,6 +270,64 @@ $("clear").addEventListener("click", () => {
   conversation += 1;
   history.length = 0;
   $("messages").replaceChildren();
+});
+
+// ---------------------------------------------------------------- images for the next message
+
+const attached = [];  // data: URLs of the images the next message carries
+
+// The attach button, paste and drop work only while the chosen model reads images.
+function showAttach() {
+  $("attach").hidden = !takesImages();
+  if (!takesImages()) attached.length = 0;
+  showAttachments();
+}
+
+function showAttachments() {
+  $("attachments").hidden = !attached.length;
+  $("attachments").replaceChildren(...attached.map((url, k) => {
+    const thumb = document.createElement("div");
+    thumb.className = "thumb";
+    const img = Object.assign(document.createElement("img"), { src: url, alt: `image ${k + 1}` });
+    const remove = Object.assign(document.createElement("button"),
+      { type: "button", className: "remove", textContent: "×", title: "Remove this image" });
+    remove.addEventListener("click", () => { attached.splice(k, 1); showAttachments(); });
+    thumb.append(img, remove);
+    return thumb;
+  }));
+}
+
+function readAsDataUrl(file) {
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result);
+    reader.onerror = () => reject(reader.error);
+    reader.readAsDataURL(file);
+  });
+}
+
+async function attachFiles(files) {
+  const images = [...files].filter((f) => f.type.startsWith("image/"));
+  if (!images.length || !takesImages()) return;
+  attached.push(...await Promise.all(images.map(readAsDataUrl)));
+  showAttachments();
+}
+
+$("attach").addEventListener("click", () => $("attach-input").click());
+$("attach-input").addEventListener("change", async (e) => {
+  await attachFiles(e.target.files);
+  e.target.value = "";  // the same file again is a change too
+});
+$("prompt").addEventListener("paste", (e) => {  // a screenshot on the clipboard; the text of a paste goes on
+  const files = [...(e.clipboardData?.items || [])].filter((item) => item.kind === "file")
+    .map((item) => item.getAsFile()).filter(Boolean);
+  if (files.length) attachFiles(files);
+});
+$("chat-form").addEventListener("dragover", (e) => { if (takesImages()) e.preventDefault(); });
+$("chat-form").addEventListener("drop", (e) => {
+  if (!takesImages() || !e.dataTransfer.files.length) return;  // dropped text goes into the message box
+  e.preventDefault();
+  attachFiles(e.dataTransfer.files);
 });
 
 // ---------------------------------------------------------------- dashboard: Prometheus text
