@@ -431,3 +431,29 @@ def test_lora_batch_narrow():
     assert part.groups[0][0] == 0 and part.groups[0][1].tolist() == [0]
     assert part.groups[1] == (1, slice(3, 5))
     assert batch.narrow(4, 2) is None
+
+
+# ---- adding and removing adapters without a request (the server's load and unload) ------------------------------
+
+def test_add_lora_checks_eagerly_and_remove_lora_frees_the_name_not_the_id(llm, adapters, broken):
+    engine = llm.engine
+    with pytest.raises(RequestError, match="use_dora"):
+        engine.add_lora(LoRARequest("eager", 700, broken("eager", {"use_dora": True})))
+    assert 700 not in engine.list_loras()
+    engine.add_lora(LoRARequest("early", 701, adapters["mlp"][0].lora_path))
+    assert 701 in engine.list_loras()
+    assert engine.remove_lora(701) and not engine.remove_lora(701)
+    with pytest.raises(RequestError, match="'early' \\(id 701\\) was removed"):
+        run(llm, [prompt(6, seed=1)], LoRARequest("early", 701, adapters["mlp"][0].lora_path))
+    # the name names another adapter now, under a new id, with that adapter's answer
+    ids = prompt(8, seed=2)
+    out, = run(llm, [ids], LoRARequest("early", 702, adapters["attn"][0].lora_path))
+    assert out.token_ids == reference(adapters["attn"][1], ids, GREEDY.max_tokens)[0]
+    assert_no_blocks_held(llm)
+
+
+def test_add_lora_needs_enable_lora(base, adapters):
+    llm = LLM(base[1], dtype="float32", kv_cache_memory="4MiB")
+    with pytest.raises(RequestError, match="without enable_lora"):
+        llm.engine.add_lora(adapters["attn"][0])
+    assert not llm.engine.remove_lora(1)

@@ -24,6 +24,7 @@ from qwenserve.engine.structured_output import StructuredOutputManager
 from qwenserve.executor.abstract import Executor, ExecutorDeadError
 from qwenserve.executor.multiproc_executor import MultiprocExecutor
 from qwenserve.executor.uniproc_executor import UniProcExecutor
+from qwenserve.lora.peft import LoRAAdapterError
 from qwenserve.lora.registry import AdapterRegistry
 from qwenserve.lora.request import LoRARequest
 from qwenserve.model.loader.resolve import load_tokenizer, resolve_model
@@ -129,6 +130,28 @@ class LLMEngine:
             self.structured_output.add(request_id, seqs)  # scheduled once its grammar is compiled
         else:
             self.scheduler.add(seqs[0])
+
+    # ---- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) ------------------------------------
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Accept an adapter before any request names it, checked as a request's adapter is (its config and the
+        safetensors header), so a broken one fails here (RequestError naming the field or tensor)."""
+        if self.adapters is None:
+            raise RequestError(f"cannot add LoRA adapter {lora_request.lora_name!r}: the engine was started without "
+                               f"enable_lora", param="lora_request")
+        try:
+            self.adapters.check(lora_request)
+        except LoRAAdapterError as e:
+            raise RequestError(str(e), param="lora_request") from None
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter: new requests may no longer name it (its name is free for another adapter), while
+        those already admitted run to their end with it; the workers drop its weights as the least recently used
+        when others need the room. False if the id names no adapter."""
+        return self.adapters is not None and self.adapters.remove(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        return set(self.adapters.adapters) if self.adapters is not None else set()
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its blocks at once. Returns its final output, or None if unknown."""
@@ -244,6 +267,21 @@ class LLMEngine:
         """Sequences running or waiting: this engine's load, for a data-parallel router."""
         return len(self.scheduler.running) + len(self.scheduler.waiting)
 
+    def lora_stats(self) -> dict:
+        """Requests running and waiting per adapter name (each request once, however many samples it has), and
+        max_loras; empty without enable_lora."""
+        if self.adapters is None:
+            return {}
+
+        def per_adapter(seqs) -> dict[str, int]:
+            requests: dict[str, set[str]] = {}
+            for seq in seqs:
+                if seq.lora_request is not None:
+                    requests.setdefault(seq.lora_request.lora_name, set()).add(seq.request_id)
+            return {name: len(ids) for name, ids in requests.items()}
+        return {"running": per_adapter(self.scheduler.running), "waiting": per_adapter(self.scheduler.waiting),
+                "max_loras": self.config.lora.max_loras}
+
     def stats(self) -> dict:
         kv = self.kv
         speculation = self.scheduler.speculation
@@ -257,7 +295,8 @@ class LLMEngine:
                 # speculative decoding (zeros when off): verifications, drafts verified, drafts accepted
                 "spec_num_drafts": spec.num_drafts, "spec_num_draft_tokens": spec.num_draft_tokens,
                 "spec_num_accepted_tokens": spec.num_accepted_tokens,
-                "spec_mean_acceptance_length": spec.mean_acceptance_length}
+                "spec_mean_acceptance_length": spec.mean_acceptance_length,
+                "lora": self.lora_stats()}
 
 
 def make_executor(config: EngineConfig, replica_rank: int = 0) -> Executor:
