@@ -457,3 +457,55 @@ def test_add_lora_needs_enable_lora(base, adapters):
     with pytest.raises(RequestError, match="without enable_lora"):
         llm.engine.add_lora(adapters["attn"][0])
     assert not llm.engine.remove_lora(1)
+
+
+# ---- qwenserve convert --lora: the adapter merged into the weights ---------------------------------------------
+
+def test_convert_with_lora_merges_as_peft_does(llm, base, adapters, tmp_path):
+    """The merged checkpoint's weights are PEFT's merge_and_unload ones (fp32), and its greedy tokens, in qwenserve
+    and in transformers, are the base model's with the adapter, served."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from qwenserve.entrypoints.cli.main import main
+    request, peft_model = adapters["all-rslora"]
+    out = str(tmp_path / "merged")
+    assert main(["convert", "--model", base[1], "--lora", request.lora_path, "--output", out,
+                 "--dtype", "float32"]) == 0
+    merged_by_peft = copy.deepcopy(peft_model).merge_and_unload().state_dict()
+    ours = load_file(os.path.join(out, "model.safetensors"))
+    adapted = 0
+    for name, tensor in ours.items():
+        torch.testing.assert_close(tensor, merged_by_peft[name], atol=1e-6, rtol=0)
+        adapted += not torch.equal(tensor, base[0].state_dict()[name])
+    assert adapted == 2 * 7, "every projection of both layers should change"
+    ids = prompt(11, seed=31)
+    served = run(llm, [ids], request)[0].token_ids
+    assert served == reference(peft_model, ids, GREEDY.max_tokens)[0]
+    merged = LLM(out, dtype="float32", kv_cache_memory="4MiB")
+    assert run(merged, [ids], None)[0].token_ids == served
+    assert reference(AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32), ids,
+                     GREEDY.max_tokens)[0] == served
+
+
+def test_convert_refuses_an_adapter_it_cannot_merge(base, broken, tmp_path, capsys):
+    from qwenserve.entrypoints.cli.main import main
+    path = broken("merge-dora", {"use_dora": True})
+    out = tmp_path / "merged"
+    assert main(["convert", "--model", base[1], "--lora", path, "--output", str(out)]) == 2
+    assert f"LoRA adapter {path!r}" in capsys.readouterr().err
+    assert not out.exists() and not (tmp_path / "merged.partial").exists()
+
+
+def test_convert_refuses_to_merge_into_quantized_weights(tmp_path, capsys):
+    """An AWQ checkpoint holds its projections as qweight: merging would drop the adapter, so it is an error."""
+    from test_awq_gptq import write_quantized
+
+    from qwenserve.entrypoints.cli.main import main
+    quantized, _ = write_quantized(tmp_path, "awq")
+    shape = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+    adapter = str(tmp_path / "adapter")
+    make_adapter(tiny_hf_model(seed=70, **shape), adapter, seed=1, r=4, lora_alpha=8, target_modules=["q_proj"])
+    assert main(["convert", "--model", quantized, "--lora", adapter, "--output", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "no dense model.layers.0.self_attn.q_proj.weight" in err and "awq-quantized" in err
