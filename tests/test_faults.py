@@ -102,3 +102,21 @@ def test_a_kv_cache_that_cannot_fit_is_refused_with_numbers(parallel_tiny):
         LLM(parallel_tiny[1], dtype="float32", kv_cache_memory="1TiB")
     with pytest.raises(ConfigError, match=r"x 2 worker\(s\) does not fit"):  # raised in the workers
         LLM(parallel_tiny[1], dtype="float32", kv_cache_memory="1TiB", tensor_parallel_size=2)
+
+
+def test_a_failed_step_leaves_no_unwritten_blocks_in_the_prefix_cache(parallel_tiny):
+    """The blocks a failed step was to fill are registered in the prefix cache when it is scheduled; once it fails
+    they hold no KV, so the same prompt again must compute them, not find them."""
+    llm = LLM(parallel_tiny[1], dtype="float32", kv_cache_memory="4MiB")
+    engine = llm.engine
+    _poison_steps(engine)
+    prompt = [POISON] + list(range(1, 40))  # two full blocks of 16
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    engine.add_request("bad", prompt, params)
+    with pytest.raises(RequestsFailedError):
+        while engine.has_unfinished_requests():
+            engine.step()
+    del engine.executor.worker.execute_model  # the fault is gone
+    out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 0
+    assert llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].num_cached_tokens == 32

@@ -4,6 +4,7 @@ adapter errors, the LRU of loaded adapters and the prefix cache's separation of 
 import copy
 import json
 import os
+import re
 import shutil
 
 import peft
@@ -509,3 +510,91 @@ def test_convert_refuses_to_merge_into_quantized_weights(tmp_path, capsys):
     assert main(["convert", "--model", quantized, "--lora", adapter, "--output", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "no dense model.layers.0.self_attn.q_proj.weight" in err and "awq-quantized" in err
+
+
+# ---- an adapter the worker cannot load fails its own requests, not the step ----------------------------------------
+
+def step_all(engine) -> tuple[dict, dict]:
+    """Step an LLMEngine until idle: (finished outputs, failures) by request id."""
+    from qwenserve.engine.llm_engine import RequestsFailedError
+    outputs, failures = {}, {}
+    while engine.has_unfinished_requests():
+        try:
+            outs = engine.step()
+        except RequestsFailedError as e:
+            failures.update(e.failures)
+            outs = e.outputs
+        outputs.update((o.request_id, o) for o in outs if o.finished)
+    return outputs, failures
+
+
+def worker_load_fails_for(engine, base, tmp_path, name: str, lora_int_id: int):
+    """An adapter the engine has accepted whose files then change (a tensor of the wrong shape) before a worker
+    reads them; returns (its LoRARequest, its PEFT model, a function that puts the good files back)."""
+    from safetensors.torch import load_file, save_file
+    path = str(tmp_path / name)
+    peft_model = make_adapter(base[0], path, seed=lora_int_id, **ADAPTERS["mlp"])
+    request = LoRARequest(name, lora_int_id, path)
+    engine.add_lora(request)
+    file = os.path.join(path, "adapter_model.safetensors")
+    with open(file, "rb") as f:
+        good = f.read()
+    name_a = "base_model.model.model.layers.1.mlp.up_proj.lora_A.weight"
+    save_file(load_file(file) | {name_a: torch.zeros(8, 32)}, file)
+
+    def restore():
+        with open(file, "wb") as f:
+            f.write(good)
+    return request, peft_model, restore
+
+
+def test_an_adapter_the_worker_cannot_load_fails_its_requests_only(llm, adapters, base, tmp_path):
+    engine = llm.engine
+    late, peft_model, restore = worker_load_fails_for(engine, base, tmp_path, "late", 800)
+    prompts = {"base": prompt(9, seed=70), "attn": prompt(11, seed=71), "late": prompt(40, seed=72)}
+    lora = {"base": None, "attn": adapters["attn"][0], "late": late}
+    for rid, ids in prompts.items():
+        engine.add_request(rid, {"prompt_token_ids": ids}, GREEDY, lora_request=lora[rid])
+    outputs, failures = step_all(engine)
+    assert set(failures) == {"late"} and set(outputs) == {"base", "attn"}
+    assert isinstance(failures["late"], RequestError) and failures["late"].param == "lora_request"
+    assert re.search(r"LoRA adapter 'late' could not be loaded: .*up_proj.lora_A.weight.* has shape \(8, 32\)",
+                     str(failures["late"]))
+    for rid in ("base", "attn"):
+        assert outputs[rid].outputs[0].token_ids == run(llm, [prompts[rid]], lora[rid])[0].token_ids
+    assert_no_blocks_held(llm)
+    assert late.lora_int_id not in manager(llm).loaded_ids
+    # the files fixed, the adapter loads; the failed step's blocks were never written, so none is reused
+    restore()
+    out = llm.generate([{"prompt_token_ids": prompts["late"]}], GREEDY, use_tqdm=False, lora_request=late)[0]
+    assert out.num_cached_tokens == 0
+    assert out.outputs[0].token_ids == reference(peft_model, prompts["late"], GREEDY.max_tokens)[0]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_parallel_ranks_agree_on_an_adapter_that_fails_to_load(tmp_path, tp, pp):
+    """Every rank (tensor-parallel ranks, pipeline stages with two steps in flight) fails the adapter alike (they
+    agree through one all-reduce), and the engine serves on: the worker processes live, and the other requests'
+    tokens are PEFT's and HF's."""
+    hf = tiny_hf_model(seed=13, num_attention_heads=4, num_key_value_heads=2)
+    path = save_hf_dir(hf, str(tmp_path / "base"))
+    llm = LLM(path, dtype="float32", kv_cache_memory="4MiB", enable_lora=True, max_loras=2, max_lora_rank=8,
+              tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    try:
+        good_path = str(tmp_path / "good")
+        good_model = make_adapter(hf, good_path, seed=7, **ADAPTERS["all-rslora"])
+        good = LoRARequest("good", 1, good_path)
+        late, _, restore = worker_load_fails_for(llm.engine, (hf, path), tmp_path, "late", 2)
+        prompts = {"good": prompt(9, seed=80), "late": prompt(12, seed=81), "base": prompt(7, seed=82)}
+        lora = {"good": good, "late": late, "base": None}
+        for rid, ids in prompts.items():
+            llm.engine.add_request(rid, {"prompt_token_ids": ids}, GREEDY, lora_request=lora[rid])
+        outputs, failures = step_all(llm.engine)
+        assert set(failures) == {"late"} and "could not be loaded" in str(failures["late"])
+        assert outputs["good"].outputs[0].token_ids == reference(good_model, prompts["good"], GREEDY.max_tokens)[0]
+        assert outputs["base"].outputs[0].token_ids == reference(hf, prompts["base"], GREEDY.max_tokens)[0]
+        restore()
+        assert len(run(llm, [prompts["late"]], late)[0].token_ids) == GREEDY.max_tokens
+    finally:
+        llm.engine.shutdown()

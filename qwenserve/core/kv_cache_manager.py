@@ -170,6 +170,17 @@ class KVCacheManager:
                 self.block_hash[block] = digest
         seq.num_registered_blocks = max(seq.num_registered_blocks, full)
 
+    def uncache_uncomputed(self, seq: Sequence) -> None:
+        """Take out of the prefix cache seq's blocks past its computed tokens: registered when their step was
+        scheduled, their KV was never written because the step (or this sequence's part of it) failed."""
+        first = seq.num_computed_tokens // self.block_size
+        for i in range(first, seq.num_registered_blocks):
+            block, digest = seq.block_table[i], seq.block_hashes[i]
+            if self.block_hash[block] == digest:  # registered by this sequence (else another block holds it)
+                del self.cached[digest]
+                self.block_hash[block] = None
+        seq.num_registered_blocks = min(seq.num_registered_blocks, first)
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Let child (a sibling sample of parent, same prompt) share parent's full prompt blocks; it computes
         only the rest of the prompt itself. Needs no free blocks."""

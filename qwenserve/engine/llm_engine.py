@@ -16,7 +16,7 @@ from qwenserve.core.kv_cache_manager import KVCacheManager
 from qwenserve.core.request import Sequence
 from qwenserve.core.scheduler import Scheduler
 from qwenserve.core.speculation import Speculation, SpeculationStats
-from qwenserve.core.step import SchedulerOutput
+from qwenserve.core.step import ModelRunnerOutput, SchedulerOutput
 from qwenserve.engine.input_processor import InputProcessor, ProcessedRequest
 from qwenserve.engine.output_processor import OutputProcessor
 from qwenserve.engine.outputs import RequestOutput
@@ -216,6 +216,8 @@ class LLMEngine:
             raise
         except Exception as e:  # noqa: BLE001 (the model failed on this batch: end its requests, keep the rest)
             raise RequestsFailedError(self._end_step_requests(scheduler_output, e)) from e
+        if runner_output.failed_loras:
+            runner_output = self._fail_adapter_requests(scheduler_output, runner_output)
         ran = self.scheduler.update_from_output(scheduler_output, runner_output)
         grammar_complete, grammar_broken = self.structured_output.advance(runner_output)
         broken_requests = {self.structured_output.request_of(seq_id): why for seq_id, why in grammar_broken.items()}
@@ -231,6 +233,33 @@ class LLMEngine:
                 param=FIELD)
         return self._outputs_or_failures(outputs)
 
+    def _fail_adapter_requests(self, scheduler_output: SchedulerOutput,
+                               runner_output: ModelRunnerOutput) -> ModelRunnerOutput:
+        """End the requests of the step whose adapter a worker could not load (their rows ran without it) with
+        an error naming the adapter, and return the step's output without their rows; the others go on."""
+        failed_seqs = set()
+        for seq in self.scheduler.live_in_step(scheduler_output):
+            why = runner_output.failed_loras.get(seq.lora_int_id) if seq.lora_request is not None else None
+            if why is None or seq.request_id in self._request_failures:
+                continue
+            name = seq.lora_request.lora_name
+            for sibling in self.output_processor.requests[seq.request_id].seqs:
+                self.kv.uncache_uncomputed(sibling)
+                failed_seqs.add(sibling.seq_id)
+            _, live = self.output_processor.abort(seq.request_id)
+            self._end(seq.request_id, live)
+            self._request_failures[seq.request_id] = RequestError(
+                f"LoRA adapter {name!r} could not be loaded: {why}", param="lora_request")
+        keep = [i for i, seq_id in enumerate(runner_output.seq_ids) if seq_id not in failed_seqs]
+        return dataclasses.replace(
+            runner_output, seq_ids=[runner_output.seq_ids[i] for i in keep],
+            sampled_token_ids=[runner_output.sampled_token_ids[i] for i in keep],
+            logprobs=[runner_output.logprobs[i] for i in keep] if runner_output.logprobs else runner_output.logprobs,
+            logits=[runner_output.logits[i] for i in keep] if runner_output.logits is not None else None,
+            prompt_logprobs={k: v for k, v in runner_output.prompt_logprobs.items() if k not in failed_seqs},
+            draft_token_ids={k: v for k, v in runner_output.draft_token_ids.items() if k not in failed_seqs},
+            failed_loras={})
+
     def _outputs_or_failures(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """outputs, or RequestsFailedError carrying them if requests failed since the last step."""
         if not self._request_failures:
@@ -242,7 +271,10 @@ class LLMEngine:
         """End every request with a sequence in a failed step and free its blocks; returns their errors."""
         logger.error("a model step failed (%s: %s); ending its requests", type(error).__name__, error,
                      exc_info=error)
-        request_ids = {seq.request_id for seq in self.scheduler.drop_step(scheduler_output)}
+        dropped = self.scheduler.drop_step(scheduler_output)
+        for seq in dropped:  # the step registered blocks it never wrote
+            self.kv.uncache_uncomputed(seq)
+        request_ids = {seq.request_id for seq in dropped}
         failure = StepFailedError(f"the model step running this request failed: {type(error).__name__}: {error}")
         for request_id in request_ids:
             _, live = self.output_processor.abort(request_id)
