@@ -360,3 +360,25 @@ def test_serve_refuses_bad_lora_modules_at_start(files, capsys):
     assert "above max_lora_rank 2" in capsys.readouterr().err
     assert main(common + ["--lora-modules", "a"]) == 2
     assert "'a' is neither name=path nor JSON" in capsys.readouterr().err
+
+
+@pytest.mark.multiproc
+def test_serve_command_serves_lora_modules_and_runtime_updates(files, offline, tmp_path):
+    """`qwenserve serve` as users start it: --lora-modules served by name, runtime loading turned on by its
+    environment variable."""
+    from helpers import serve_process
+    base, paths = files
+    args = ["--model", base, "--dtype", "float32", "--kv-cache-memory", "4MiB", "--enable-lora", "--max-loras", "2",
+            "--max-lora-rank", "8", "--served-model-name", "tiny", "--lora-modules", f"attn={paths['attn']}"]
+    env = os.environ | {"QWENSERVE_ALLOW_RUNTIME_LORA_UPDATING": "1", "QWENSERVE_CPU_KERNELS": "0"}
+    env.pop("QWENSERVE_API_KEY", None)
+    with serve_process(args, tmp_path / "serve.log", env) as (_, url):
+        cli = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        assert [m.id for m in cli.models.list().data] == ["tiny", "attn"]
+        prompt = "from the command line"
+        text = cli.completions.create(model="attn", prompt=prompt, max_tokens=12, **GREEDY).choices[0].text
+        assert text == offline_text(offline, prompt, LoRARequest("attn", 1, paths["attn"]))
+        r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "mlp", "lora_path": paths["mlp"]})
+        assert r.status_code == 200, r.text
+        text = cli.completions.create(model="mlp", prompt=prompt, max_tokens=12, **GREEDY).choices[0].text
+        assert text == offline_text(offline, prompt, LoRARequest("mlp", 2, paths["mlp"]))
