@@ -271,6 +271,25 @@ def test_load_and_unload_errors(server, files, tmp_path):
     wait_idle_and_clean(server[1])
 
 
+def test_an_adapter_whose_files_break_after_loading_fails_its_request_only(server, client, broken):
+    """Loading checks the files; a worker reads them at first use. If they broke in between, that request is a 400
+    naming the adapter and the cause, and the server serves on."""
+    from safetensors.torch import load_file, save_file
+    path = broken("fragile")
+    assert post(server, "/v1/load_lora_adapter", {"lora_name": "fragile", "lora_path": path}).status_code == 200
+    file = os.path.join(path, "adapter_model.safetensors")
+    save_file(load_file(file) | {Q_A: torch.zeros(4, 32)}, file)
+    r = post(server, "/v1/completions", {"model": "fragile", "prompt": "x", "max_tokens": 3})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "lora_request"
+    assert "LoRA adapter 'fragile' could not be loaded" in err["message"] and "has shape (4, 32)" in err["message"]
+    assert httpx.get(server[0] + "/health").status_code == 200
+    assert completion(client, "attn", "still serving", 2).choices[0].finish_reason == "length"
+    assert post(server, "/v1/unload_lora_adapter", {"lora_name": "fragile"}).status_code == 200
+    wait_idle_and_clean(server[1])
+
+
 def test_runtime_updating_routes_exist_only_when_allowed(files):
     base, paths = files
     engine = AsyncLLMEngine(LLMEngine(EngineConfig.from_kwargs(model=base, **ENGINE)))

@@ -92,7 +92,7 @@ class LoRAManager:
         for request in missing:
             try:
                 read[request.lora_int_id] = self._read(request)
-            except Exception as e:  # noqa: BLE001 (files changed since the engine checked them, memory: fail its requests)
+            except Exception as e:  # noqa: BLE001 (files changed since the engine's check, memory: its requests fail)
                 logger.error("LoRA adapter %r (id %d) could not be loaded: %s", request.lora_name,
                              request.lora_int_id, e)
                 failed[request.lora_int_id] = str(e) if isinstance(e, LoRAAdapterError) else f"{type(e).__name__}: {e}"
