@@ -21,7 +21,8 @@ class OpenAIServingModels:
     def __init__(self, served_model_names: list[str], max_model_len: int, engine=None,
                  lora_modules: tuple[LoRAModulePath, ...] = ()):
         """engine: the AsyncLLMEngine the adapters are registered with (needed with lora_modules, and to load
-        adapters). lora_modules are checked and registered here: a bad one raises APIError naming it."""
+        adapters). lora_modules are read whole, checked and registered here: a bad one raises ConfigError naming
+        it, before the server listens."""
         self.names = list(served_model_names)
         self.max_model_len = max_model_len
         self.engine = engine
