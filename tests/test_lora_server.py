@@ -176,19 +176,24 @@ def test_unloading_an_adapter_in_use_lets_its_requests_finish(server, client, fi
 
     async def run():
         aclient = openai.AsyncOpenAI(base_url=server[0] + "/v1", api_key=KEY, max_retries=0)
-        stream = await aclient.completions.create(model="busy", prompt=prompt, max_tokens=40, stream=True, **GREEDY)
+        stream = await aclient.completions.create(model="busy", prompt=prompt, max_tokens=200, stream=True,
+                                                  **GREEDY)
         chunks = [await stream.__anext__()]
+        headers = {"Authorization": f"Bearer {KEY}"}
         async with httpx.AsyncClient() as http:
             unloaded = await http.post(server[0] + "/v1/unload_lora_adapter", json={"lora_name": "busy"},
-                                       headers={"Authorization": f"Bearer {KEY}"})
+                                       headers=headers)
+            metrics = (await http.get(server[0] + "/metrics", headers=headers)).text
         async for chunk in stream:
             chunks.append(chunk)
-        return unloaded, chunks
-    unloaded, chunks = asyncio.run(run())
+        return unloaded, metrics, chunks
+    unloaded, metrics, chunks = asyncio.run(run())
     assert unloaded.status_code == 200
+    assert metric_value(metrics, 'qwenserve_lora_num_requests_running{lora_name="busy"}') == 1, \
+        "the request should still run once its adapter is unloaded"
     assert chunks[-1].choices[0].finish_reason == "length"
     text = "".join(c.choices[0].text for c in chunks if c.choices)
-    assert text == offline_text(offline, prompt, LoRARequest("qvd", 4, paths["qvd"]), 40)
+    assert text == offline_text(offline, prompt, LoRARequest("qvd", 4, paths["qvd"]), 200)
     with pytest.raises(openai.NotFoundError):
         completion(client, "busy", prompt)
     wait_idle_and_clean(server[1])
