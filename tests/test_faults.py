@@ -83,6 +83,8 @@ def test_a_failed_step_leaves_no_prefix_cache_entries(parallel_tiny):
     again = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
     assert again.num_cached_tokens == 0
     assert_hf_greedy(parallel_tiny[0], [prompt], [again.outputs[0].token_ids])
+    # now written, the blocks serve the prompt from the cache
+    assert llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].num_cached_tokens == 32
 
 
 def test_server_fails_the_step_with_500_and_serves_the_rest(parallel_tiny):
@@ -130,3 +132,4 @@ def test_a_kv_cache_that_cannot_fit_is_refused_with_numbers(parallel_tiny):
         LLM(parallel_tiny[1], dtype="float32", kv_cache_memory="1TiB")
     with pytest.raises(ConfigError, match=r"x 2 worker\(s\) does not fit"):  # raised in the workers
         LLM(parallel_tiny[1], dtype="float32", kv_cache_memory="1TiB", tensor_parallel_size=2)
+

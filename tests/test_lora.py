@@ -4,6 +4,7 @@ adapter errors, the LRU of loaded adapters and the prefix cache's separation of 
 import copy
 import json
 import os
+import re
 import shutil
 
 import peft
@@ -163,10 +164,10 @@ def spy_batches(llm, stacked: list[bool] | None = None) -> list[set[int]]:
 
     def batch(spans, num_rows):
         seen.append({r.lora_int_id for _, _, r in spans})
-        made = original(spans, num_rows)
+        made, failed = original(spans, num_rows)
         if stacked is not None:
-            stacked.append(made.stacked is not None)
-        return made
+            stacked.append(made is not None and made.stacked is not None)
+        return made, failed
     mgr.batch = batch
     return seen
 
@@ -476,3 +477,169 @@ def test_stacked_adapters_add_what_the_groups_add(first_span_rows):
         assert part.stacked is not None
         add_lora(parts[start:end], x[start:end], part, slots, stacked)
     torch.testing.assert_close(parts, grouped)
+
+
+# ---- adding and removing adapters without a request (the server's load and unload) ------------------------------
+
+def test_add_lora_checks_eagerly_and_remove_lora_frees_the_name_not_the_id(llm, adapters, broken):
+    engine = llm.engine
+    with pytest.raises(RequestError, match="use_dora"):
+        engine.add_lora(LoRARequest("eager", 700, broken("eager", {"use_dora": True})))
+    assert 700 not in engine.list_loras()
+    engine.add_lora(LoRARequest("early", 701, adapters["mlp"][0].lora_path))
+    assert 701 in engine.list_loras()
+    assert engine.remove_lora(701) and not engine.remove_lora(701)
+    with pytest.raises(RequestError, match="'early' \\(id 701\\) was removed"):
+        run(llm, [prompt(6, seed=1)], LoRARequest("early", 701, adapters["mlp"][0].lora_path))
+    # the name names another adapter now, under a new id, with that adapter's answer
+    ids = prompt(8, seed=2)
+    out, = run(llm, [ids], LoRARequest("early", 702, adapters["attn"][0].lora_path))
+    assert out.token_ids == reference(adapters["attn"][1], ids, GREEDY.max_tokens)[0]
+    assert_no_blocks_held(llm)
+
+
+def test_add_lora_needs_enable_lora(base, adapters):
+    llm = LLM(base[1], dtype="float32", kv_cache_memory="4MiB")
+    with pytest.raises(RequestError, match="without enable_lora"):
+        llm.engine.add_lora(adapters["attn"][0])
+    assert not llm.engine.remove_lora(1)
+
+
+# ---- qwenserve convert --lora: the adapter merged into the weights ---------------------------------------------
+
+def test_convert_with_lora_merges_as_peft_does(llm, base, adapters, tmp_path):
+    """The merged checkpoint's weights are PEFT's merge_and_unload ones (fp32), and its greedy tokens, in qwenserve
+    and in transformers, are the base model's with the adapter, served."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from qwenserve.entrypoints.cli.main import main
+    request, peft_model = adapters["all-rslora"]
+    out = str(tmp_path / "merged")
+    assert main(["convert", "--model", base[1], "--lora", request.lora_path, "--output", out,
+                 "--dtype", "float32"]) == 0
+    merged_by_peft = copy.deepcopy(peft_model).merge_and_unload().state_dict()
+    ours = load_file(os.path.join(out, "model.safetensors"))
+    adapted = 0
+    for name, tensor in ours.items():
+        torch.testing.assert_close(tensor, merged_by_peft[name], atol=1e-6, rtol=0)
+        adapted += not torch.equal(tensor, base[0].state_dict()[name])
+    assert adapted == 2 * 7, "every projection of both layers should change"
+    ids = prompt(11, seed=31)
+    served = run(llm, [ids], request)[0].token_ids
+    assert served == reference(peft_model, ids, GREEDY.max_tokens)[0]
+    merged = LLM(out, dtype="float32", kv_cache_memory="4MiB")
+    assert run(merged, [ids], None)[0].token_ids == served
+    assert reference(AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32), ids,
+                     GREEDY.max_tokens)[0] == served
+
+
+def test_convert_refuses_an_adapter_it_cannot_merge(base, broken, tmp_path, capsys):
+    from qwenserve.entrypoints.cli.main import main
+    path = broken("merge-dora", {"use_dora": True})
+    out = tmp_path / "merged"
+    assert main(["convert", "--model", base[1], "--lora", path, "--output", str(out)]) == 2
+    assert f"LoRA adapter {path!r}" in capsys.readouterr().err
+    assert not out.exists() and not (tmp_path / "merged.partial").exists()
+
+
+def test_convert_refuses_to_merge_into_quantized_weights(tmp_path, capsys):
+    """An AWQ checkpoint holds its projections as qweight: merging would drop the adapter, so it is an error."""
+    from test_awq_gptq import write_quantized
+
+    from qwenserve.entrypoints.cli.main import main
+    quantized, _ = write_quantized(tmp_path, "awq")
+    shape = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+    adapter = str(tmp_path / "adapter")
+    make_adapter(tiny_hf_model(seed=70, **shape), adapter, seed=1, r=4, lora_alpha=8, target_modules=["q_proj"])
+    assert main(["convert", "--model", quantized, "--lora", adapter, "--output", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "no dense model.layers.0.self_attn.q_proj.weight" in err and "awq-quantized" in err
+
+
+# ---- an adapter the worker cannot load fails its own requests, not the step ----------------------------------------
+
+def step_all(engine) -> tuple[dict, dict]:
+    """Step an LLMEngine until idle: (finished outputs, failures) by request id."""
+    from qwenserve.engine.llm_engine import RequestsFailedError
+    outputs, failures = {}, {}
+    while engine.has_unfinished_requests():
+        try:
+            outs = engine.step()
+        except RequestsFailedError as e:
+            failures.update(e.failures)
+            outs = e.outputs
+        outputs.update((o.request_id, o) for o in outs if o.finished)
+    return outputs, failures
+
+
+def worker_load_fails_for(engine, base, tmp_path, name: str, lora_int_id: int):
+    """An adapter the engine has accepted whose files then change (a tensor of the wrong shape) before a worker
+    reads them; returns (its LoRARequest, its PEFT model, a function that puts the good files back)."""
+    from safetensors.torch import load_file, save_file
+    path = str(tmp_path / name)
+    peft_model = make_adapter(base[0], path, seed=lora_int_id, **ADAPTERS["mlp"])
+    request = LoRARequest(name, lora_int_id, path)
+    engine.add_lora(request)
+    file = os.path.join(path, "adapter_model.safetensors")
+    with open(file, "rb") as f:
+        good = f.read()
+    name_a = "base_model.model.model.layers.1.mlp.up_proj.lora_A.weight"
+    save_file(load_file(file) | {name_a: torch.zeros(8, 32)}, file)
+
+    def restore():
+        with open(file, "wb") as f:
+            f.write(good)
+    return request, peft_model, restore
+
+
+def test_an_adapter_the_worker_cannot_load_fails_its_requests_only(llm, adapters, base, tmp_path):
+    engine = llm.engine
+    late, peft_model, restore = worker_load_fails_for(engine, base, tmp_path, "late", 800)
+    prompts = {"base": prompt(9, seed=70), "attn": prompt(11, seed=71), "late": prompt(40, seed=72)}
+    lora = {"base": None, "attn": adapters["attn"][0], "late": late}
+    for rid, ids in prompts.items():
+        engine.add_request(rid, {"prompt_token_ids": ids}, GREEDY, lora_request=lora[rid])
+    outputs, failures = step_all(engine)
+    assert set(failures) == {"late"} and set(outputs) == {"base", "attn"}
+    assert isinstance(failures["late"], RequestError) and failures["late"].param == "lora_request"
+    assert re.search(r"LoRA adapter 'late' could not be loaded: .*up_proj.lora_A.weight.* has shape \(8, 32\)",
+                     str(failures["late"]))
+    for rid in ("base", "attn"):
+        assert outputs[rid].outputs[0].token_ids == run(llm, [prompts[rid]], lora[rid])[0].token_ids
+    assert_no_blocks_held(llm)
+    assert late.lora_int_id not in manager(llm).loaded_ids
+    # the files fixed, the adapter loads; the failed step's blocks were never written, so none is reused
+    restore()
+    out = llm.generate([{"prompt_token_ids": prompts["late"]}], GREEDY, use_tqdm=False, lora_request=late)[0]
+    assert out.num_cached_tokens == 0
+    assert out.outputs[0].token_ids == reference(peft_model, prompts["late"], GREEDY.max_tokens)[0]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_parallel_ranks_agree_on_an_adapter_that_fails_to_load(tmp_path, tp, pp):
+    """Every rank (tensor-parallel ranks, pipeline stages with two steps in flight) fails the adapter alike (they
+    agree through one all-reduce), and the engine serves on: the worker processes live, and the other requests'
+    tokens are PEFT's and HF's."""
+    hf = tiny_hf_model(seed=13, num_attention_heads=4, num_key_value_heads=2)
+    path = save_hf_dir(hf, str(tmp_path / "base"))
+    llm = LLM(path, dtype="float32", kv_cache_memory="4MiB", enable_lora=True, max_loras=2, max_lora_rank=8,
+              tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    try:
+        good_path = str(tmp_path / "good")
+        good_model = make_adapter(hf, good_path, seed=7, **ADAPTERS["all-rslora"])
+        good = LoRARequest("good", 1, good_path)
+        late, _, restore = worker_load_fails_for(llm.engine, (hf, path), tmp_path, "late", 2)
+        prompts = {"good": prompt(9, seed=80), "late": prompt(12, seed=81), "base": prompt(7, seed=82)}
+        lora = {"good": good, "late": late, "base": None}
+        for rid, ids in prompts.items():
+            llm.engine.add_request(rid, {"prompt_token_ids": ids}, GREEDY, lora_request=lora[rid])
+        outputs, failures = step_all(llm.engine)
+        assert set(failures) == {"late"} and "could not be loaded" in str(failures["late"])
+        assert outputs["good"].outputs[0].token_ids == reference(good_model, prompts["good"], GREEDY.max_tokens)[0]
+        assert outputs["base"].outputs[0].token_ids == reference(hf, prompts["base"], GREEDY.max_tokens)[0]
+        restore()
+        assert len(run(llm, [prompts["late"]], late)[0].token_ids) == GREEDY.max_tokens
+    finally:
+        llm.engine.shutdown()

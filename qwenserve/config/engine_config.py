@@ -272,8 +272,8 @@ class ParallelConfig:
 @dataclass(frozen=True)
 class LoRAConfig:
     """Serving PEFT LoRA adapters beside the base model, chosen per request (vLLM's flags)."""
-    enable_lora: bool = setting(False, "serve LoRA adapters chosen per request (LLM.generate(..., lora_request=...)) "
-                                       "(default: off)")
+    enable_lora: bool = setting(False, "serve LoRA adapters chosen per request (LLM.generate(..., lora_request=...); "
+                                       "the server's --lora-modules) (default: off)")
     max_loras: int = setting(1, "distinct adapters in one batch at most; requests of others wait "
                                 "(default: %(default)s)", type=int)
     max_lora_rank: int = setting(16, "the largest adapter rank (r) accepted; a larger one is a request error "

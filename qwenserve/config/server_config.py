@@ -3,12 +3,51 @@ generated from these fields, and the server, its graceful shutdown and `bench se
 them."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from qwenserve.config.engine_config import parse_size, setting
 from qwenserve.config.errors import ConfigError
 
 API_KEY_ENV = "QWENSERVE_API_KEY"  # read by the serve command itself, when --api-key is not given
+
+
+@dataclass(frozen=True)
+class LoRAModulePath:
+    """An adapter served from the start (--lora-modules): clients ask for it by `name` as their `model`."""
+    name: str
+    path: str
+    base_model_name: str | None = None  # the model it was trained on, listed as its parent (default: ours)
+
+
+def parse_lora_module(text: str) -> LoRAModulePath:
+    """One --lora-modules value, as vLLM takes it: name=path, or JSON {"name": ..., "path": ...,
+    "base_model_name": ...}."""
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            spec = json.loads(text)
+        except ValueError as e:
+            raise ConfigError(f"lora_modules value {text!r} is not valid JSON: {e}") from None
+        if not isinstance(spec, dict):
+            raise ConfigError(f"lora_modules value {text!r} is not a JSON object")
+        unknown = sorted(set(spec) - {"name", "path", "base_model_name"})
+        if unknown:
+            raise ConfigError(f"lora_modules value {text!r} has unknown keys {unknown}; the keys are name, path "
+                              f"and base_model_name")
+        name, path, base = spec.get("name"), spec.get("path"), spec.get("base_model_name")
+        if base is not None and (not isinstance(base, str) or not base):
+            raise ConfigError(f"lora_modules value {text!r}: base_model_name must be a non-empty string")
+    else:
+        name, sep, path = text.partition("=")
+        if not sep:
+            raise ConfigError(f"lora_modules value {text!r} is neither name=path nor JSON such as "
+                              f'{{"name": "sql", "path": "/adapters/sql"}}')
+        base = None
+    for key, value in (("name", name), ("path", path)):
+        if not isinstance(value, str) or not value.strip():
+            raise ConfigError(f"lora_modules value {text!r} has no {key}")
+    return LoRAModulePath(name.strip(), path.strip(), base)
 
 
 @dataclass(frozen=True)
@@ -43,8 +82,21 @@ class ServerConfig:
                                             "error, and the server exits 0 (default: %(default)s; fits Kubernetes' "
                                             "30 s grace period)", type=float)
     log_requests: bool = setting(False, "log each request's prompt, parameters and outputs (never logged otherwise)")
+    lora_modules: list[str] | tuple[LoRAModulePath, ...] | None = setting(
+        None, "LoRA adapters served from the start (needs --enable-lora), each name=path or JSON such as "
+              "'{\"name\": \"sql\", \"path\": \"/adapters/sql\", \"base_model_name\": \"qwen\"}'; a client "
+              "asks for one by its name as `model`", nargs="+", metavar="LORA_MODULE")
+    allow_runtime_lora_updating: bool = setting(
+        False, "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (with --enable-lora), so adapters can be "
+               "added and removed while serving (default: off)", env="QWENSERVE_ALLOW_RUNTIME_LORA_UPDATING")
 
     def __post_init__(self):
+        modules = tuple(m if isinstance(m, LoRAModulePath) else parse_lora_module(m) for m in self.lora_modules or ())
+        names = [m.name for m in modules]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ConfigError(f"lora_modules names {repeated} more than once: each adapter needs its own name")
+        object.__setattr__(self, "lora_modules", modules)
         object.__setattr__(self, "max_request_bytes", parse_size(self.max_request_bytes, "max_request_bytes"))
         for name in ("max_waiting_requests", "max_n", "max_request_bytes"):
             value = getattr(self, name)

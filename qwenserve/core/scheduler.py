@@ -199,6 +199,10 @@ class Scheduler:
             seq.token_ids.append(token)
         return ran
 
+    def live_in_step(self, scheduler_output: SchedulerOutput) -> list[Sequence]:
+        """The step's sequences that have not ended since it was scheduled."""
+        return [self._live[i] for i in scheduler_output.num_scheduled_tokens if i in self._live]
+
     def drop_step(self, scheduler_output: SchedulerOutput) -> list[Sequence]:
         """A step that failed: its sequences are no longer in flight; returns those to be ended: the step's live
         sequences, and any other that adopted a block the step was to write (its prefix hit would read garbage)."""

@@ -88,3 +88,6 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[int, tuple[int, list[dict[int, Logprob]]]] = field(default_factory=dict)
     logits: list | None = None  # per sampled row, float32 [vocab]: only with EngineConfig.record_logits
     draft_token_ids: dict[int, list[int]] = field(default_factory=dict)  # seq id -> drafts for its next step
+    # lora_int_id -> why the adapter could not be loaded: its sequences' rows ran without it, and the engine fails
+    # their requests (their tokens are not theirs)
+    failed_loras: dict[int, str] = field(default_factory=dict)

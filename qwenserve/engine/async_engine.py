@@ -17,6 +17,7 @@ from qwenserve.engine.data_parallel import DataParallelEngine
 from qwenserve.engine.llm_engine import LLMEngine, RequestsFailedError
 from qwenserve.engine.outputs import RequestOutput
 from qwenserve.executor.abstract import ExecutorDeadError
+from qwenserve.lora.request import LoRARequest
 from qwenserve.sample.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class _Add:
     stream: "asyncio.Queue[RequestOutput | BaseException | None]"
     loop: asyncio.AbstractEventLoop
     done: concurrent.futures.Future
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -73,6 +75,8 @@ class AsyncLLMEngine:
         self.generation_defaults = engine.generation_defaults
         self.max_num_seqs = engine.config.scheduler.max_num_seqs
         self.kv_cache_tokens = engine.kv_cache_tokens  # the most one request's sequences can ever hold
+        self.model_config = engine.resolved_model.config
+        self.lora_config = engine.config.lora
         self.max_waiting_requests = max_waiting_requests
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -84,9 +88,10 @@ class AsyncLLMEngine:
 
     # ---- caller side ----------------------------------------------------------------------------------
 
-    async def generate(self, request_id: str, prompt, params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request_id: str, prompt, params: SamplingParams,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """add_request, then stream."""
-        stream = await self.add_request(request_id, prompt, params)
+        stream = await self.add_request(request_id, prompt, params, lora_request)
         async for out in self.stream(request_id, stream):
             yield out
 
@@ -107,13 +112,15 @@ class AsyncLLMEngine:
             if not finished:
                 self.abort(request_id)
 
-    async def add_request(self, request_id: str, prompt, params: SamplingParams) -> asyncio.Queue:
-        """Admit a request (a bad one raises ValueError here) and return the queue its outputs arrive on."""
+    async def add_request(self, request_id: str, prompt, params: SamplingParams,
+                          lora_request: LoRARequest | None = None) -> asyncio.Queue:
+        """Admit a request (a bad one raises ValueError here) and return the queue its outputs arrive on.
+        lora_request: the LoRA adapter it runs with; None: the base model."""
         self._check_alive()
         loop = asyncio.get_running_loop()
         stream: asyncio.Queue = asyncio.Queue()
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._send(_Add(request_id, prompt, params, stream, loop, done))
+        self._send(_Add(request_id, prompt, params, stream, loop, done, lora_request))
         await asyncio.wrap_future(done)  # raises the engine's ValueError for a bad request
         return stream
 
@@ -126,10 +133,17 @@ class AsyncLLMEngine:
 
     async def call(self, fn):
         """Run fn(engine) on the engine thread (for statistics that must not race with a step)."""
+        return await asyncio.wrap_future(self._call(fn))
+
+    def call_blocking(self, fn):
+        """call() for code that is neither async nor on the engine thread (the server's setup, before serving)."""
+        return self._call(fn).result()
+
+    def _call(self, fn) -> concurrent.futures.Future:
         self._check_alive()
         done: concurrent.futures.Future = concurrent.futures.Future()
         self._send(_Call(fn, done))
-        return await asyncio.wrap_future(done)
+        return done
 
     # ---- graceful shutdown: drain, then abort the rest -----------------------------------------------------
 
@@ -244,7 +258,7 @@ class AsyncLLMEngine:
                     f"{self.max_waiting_requests}); retry later"))
                 return
             try:
-                self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params)
+                self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, lora_request=cmd.lora_request)
             except Exception as e:
                 cmd.done.set_exception(e)
                 return

@@ -16,7 +16,7 @@ from qwenserve.core.kv_cache_manager import KVCacheManager
 from qwenserve.core.request import Sequence
 from qwenserve.core.scheduler import Scheduler
 from qwenserve.core.speculation import Speculation, SpeculationStats
-from qwenserve.core.step import SchedulerOutput
+from qwenserve.core.step import ModelRunnerOutput, SchedulerOutput
 from qwenserve.engine.input_processor import InputProcessor, ProcessedRequest
 from qwenserve.engine.output_processor import OutputProcessor
 from qwenserve.engine.outputs import RequestOutput
@@ -24,6 +24,7 @@ from qwenserve.engine.structured_output import StructuredOutputManager
 from qwenserve.executor.abstract import Executor, ExecutorDeadError
 from qwenserve.executor.multiproc_executor import MultiprocExecutor
 from qwenserve.executor.uniproc_executor import UniProcExecutor
+from qwenserve.lora.peft import LoRAAdapterError
 from qwenserve.lora.registry import AdapterRegistry
 from qwenserve.lora.request import LoRARequest
 from qwenserve.model.loader.resolve import load_tokenizer, resolve_model
@@ -130,6 +131,28 @@ class LLMEngine:
         else:
             self.scheduler.add(seqs[0])
 
+    # ---- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) ------------------------------------
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Accept an adapter before any request names it, checked as a request's adapter is (its config and the
+        safetensors header), so a broken one fails here (RequestError naming the field or tensor)."""
+        if self.adapters is None:
+            raise RequestError(f"cannot add LoRA adapter {lora_request.lora_name!r}: the engine was started without "
+                               f"enable_lora", param="lora_request")
+        try:
+            self.adapters.check(lora_request)
+        except LoRAAdapterError as e:
+            raise RequestError(str(e), param="lora_request") from None
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter: new requests may no longer name it (its name is free for another adapter), while
+        those already admitted run to their end with it; the workers drop its weights as the least recently used
+        when others need the room. False if the id names no adapter."""
+        return self.adapters is not None and self.adapters.remove(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        return set(self.adapters.adapters) if self.adapters is not None else set()
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its blocks at once. Returns its final output, or None if unknown."""
         output, live = self.output_processor.abort(request_id)
@@ -193,6 +216,8 @@ class LLMEngine:
             raise
         except Exception as e:  # noqa: BLE001 (the model failed on this batch: end its requests, keep the rest)
             raise RequestsFailedError(self._end_step_requests(scheduler_output, e)) from e
+        if runner_output.failed_loras:
+            runner_output = self._fail_adapter_requests(scheduler_output, runner_output)
         ran = self.scheduler.update_from_output(scheduler_output, runner_output)
         grammar_complete, grammar_broken = self.structured_output.advance(runner_output)
         broken_requests = {self.structured_output.request_of(seq_id): why for seq_id, why in grammar_broken.items()}
@@ -207,6 +232,33 @@ class LLMEngine:
                 f"{FIELD}: the output could not be kept to the grammar ({why.splitlines()[0] if why else why})",
                 param=FIELD)
         return self._outputs_or_failures(outputs)
+
+    def _fail_adapter_requests(self, scheduler_output: SchedulerOutput,
+                               runner_output: ModelRunnerOutput) -> ModelRunnerOutput:
+        """End the requests of the step whose adapter a worker could not load (their rows ran without it) with
+        an error naming the adapter, and return the step's output without their rows; the others go on."""
+        failed_seqs = set()
+        for seq in self.scheduler.live_in_step(scheduler_output):
+            why = runner_output.failed_loras.get(seq.lora_int_id) if seq.lora_request is not None else None
+            if why is None or seq.request_id in self._request_failures:
+                continue
+            name = seq.lora_request.lora_name
+            for sibling in self.output_processor.requests[seq.request_id].seqs:
+                self.kv.uncache_unwritten(sibling)
+                failed_seqs.add(sibling.seq_id)
+            _, live = self.output_processor.abort(seq.request_id)
+            self._end(seq.request_id, live)
+            self._request_failures[seq.request_id] = RequestError(
+                f"LoRA adapter {name!r} could not be loaded: {why}", param="lora_request")
+        keep = [i for i, seq_id in enumerate(runner_output.seq_ids) if seq_id not in failed_seqs]
+        return dataclasses.replace(
+            runner_output, seq_ids=[runner_output.seq_ids[i] for i in keep],
+            sampled_token_ids=[runner_output.sampled_token_ids[i] for i in keep],
+            logprobs=[runner_output.logprobs[i] for i in keep] if runner_output.logprobs else runner_output.logprobs,
+            logits=[runner_output.logits[i] for i in keep] if runner_output.logits is not None else None,
+            prompt_logprobs={k: v for k, v in runner_output.prompt_logprobs.items() if k not in failed_seqs},
+            draft_token_ids={k: v for k, v in runner_output.draft_token_ids.items() if k not in failed_seqs},
+            failed_loras={})
 
     def _outputs_or_failures(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """outputs, or RequestsFailedError carrying them if requests failed since the last step."""
@@ -244,6 +296,21 @@ class LLMEngine:
         """Sequences running or waiting: this engine's load, for a data-parallel router."""
         return len(self.scheduler.running) + len(self.scheduler.waiting)
 
+    def lora_stats(self) -> dict:
+        """Requests running and waiting per adapter name (each request once, however many samples it has), and
+        max_loras; empty without enable_lora."""
+        if self.adapters is None:
+            return {}
+
+        def per_adapter(seqs) -> dict[str, int]:
+            requests: dict[str, set[str]] = {}
+            for seq in seqs:
+                if seq.lora_request is not None:
+                    requests.setdefault(seq.lora_request.lora_name, set()).add(seq.request_id)
+            return {name: len(ids) for name, ids in requests.items()}
+        return {"running": per_adapter(self.scheduler.running), "waiting": per_adapter(self.scheduler.waiting),
+                "max_loras": self.config.lora.max_loras}
+
     def stats(self) -> dict:
         kv = self.kv
         speculation = self.scheduler.speculation
@@ -257,7 +324,8 @@ class LLMEngine:
                 # speculative decoding (zeros when off): verifications, drafts verified, drafts accepted
                 "spec_num_drafts": spec.num_drafts, "spec_num_draft_tokens": spec.num_draft_tokens,
                 "spec_num_accepted_tokens": spec.num_accepted_tokens,
-                "spec_mean_acceptance_length": spec.mean_acceptance_length}
+                "spec_mean_acceptance_length": spec.mean_acceptance_length,
+                "lora": self.lora_stats()}
 
 
 def make_executor(config: EngineConfig, replica_rank: int = 0) -> Executor:

@@ -4,20 +4,22 @@ batch's max_loras slots, and the LoRABatch of each step.
 At start every projection an adapter may target is wrapped (layers.LoRALinear), whatever adapters come later, so
 loading one never changes the model's modules. Loading reads the PEFT files, checks them against the base model
 (peft.py) and slices them for this rank; putting a loaded adapter in a slot only points each wrapper at its
-weights."""
+weights. An adapter that cannot be loaded (its files changed since the engine checked them) fails the requests
+that use it, not the step: the engine ends them, the others run on."""
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
 
 import torch
+import torch.distributed as dist
 
 from qwenserve.config.engine_config import LoRAConfig
 from qwenserve.config.model_config import ModelConfig
 from qwenserve.lora.batch import LoRABatch
 from qwenserve.lora.layers import LoRALinear
 from qwenserve.lora.ops import LayerAdapter
-from qwenserve.lora.peft import TARGET_MODULES, load_adapter
+from qwenserve.lora.peft import TARGET_MODULES, LoRAAdapterError, load_adapter
 from qwenserve.lora.request import LoRARequest
 from qwenserve.model.interface import CausalLM
 
@@ -65,12 +67,8 @@ class LoRAManager:
         """The adapters in memory, least recently used first."""
         return list(self.loaded)
 
-    def _load(self, request: LoRARequest, keep: set[int]) -> dict[LoRALinear, LayerAdapter]:
-        """The adapter's prepared weights, loaded now if not in memory (evicting the least recently used one that
-        is not in keep, the step's adapters)."""
-        if request.lora_int_id in self.loaded:
-            self.loaded.move_to_end(request.lora_int_id)
-            return self.loaded[request.lora_int_id]
+    def _read(self, request: LoRARequest) -> dict[LoRALinear, LayerAdapter]:
+        """The adapter's weights, read from its files, checked and sliced for this rank's wrappers."""
         adapter = load_adapter(request.lora_path, self.model_config, self.config.max_lora_rank)
         parts: dict[LoRALinear, dict] = {}
         for key, weights in adapter.weights.items():
@@ -79,13 +77,42 @@ class LoRAManager:
             wrapper, shard_id = self.targets[key]
             parts.setdefault(wrapper, {})[shard_id] = weights
         prepared = {w: w.prepare(p, adapter.config.scaling, self.dtype, self.device) for w, p in parts.items()}
-        while len(self.loaded) >= self.config.max_cpu_loras:
-            victim = next(i for i in self.loaded if i not in keep)  # exists: a step has at most max_loras < this
-            self._evict(victim)
-        self.loaded[request.lora_int_id] = prepared
         logger.info("loaded LoRA adapter %r (id %d, r=%d) from %s", request.lora_name, request.lora_int_id,
                     adapter.config.rank, request.lora_path)
         return prepared
+
+    def _load_missing(self, requests: list[LoRARequest], keep: set[int]) -> dict[int, str]:
+        """Load the step's adapters not in memory (evicting the least recently used ones not in keep, the step's
+        adapters); returns the error of each that could not be loaded, which stays out of memory.
+
+        Every rank of the engine decides the same loads (they see the same steps), so where there are several
+        ranks they agree on the failures: an adapter that failed on any rank fails on all, and no rank runs a
+        request with part of an adapter."""
+        missing = [r for r in requests if r.lora_int_id not in self.loaded]
+        if not missing:
+            return {}
+        read, failed = {}, {}
+        for request in missing:
+            try:
+                read[request.lora_int_id] = self._read(request)
+            except Exception as e:  # noqa: BLE001 (files changed since the engine's check, memory: its requests fail)
+                logger.error("LoRA adapter %r (id %d) could not be loaded: %s", request.lora_name,
+                             request.lora_int_id, e)
+                failed[request.lora_int_id] = str(e) if isinstance(e, LoRAAdapterError) else f"{type(e).__name__}: {e}"
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            flags = torch.tensor([r.lora_int_id in failed for r in missing], dtype=torch.int32, device=self.device)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            for request, flag in zip(missing, flags.tolist()):
+                if flag and request.lora_int_id not in failed:
+                    failed[request.lora_int_id] = "it could not be loaded on another worker rank (its log says why)"
+        for lora_int_id, prepared in read.items():
+            if lora_int_id in failed:
+                continue
+            while len(self.loaded) >= self.config.max_cpu_loras:
+                victim = next(i for i in self.loaded if i not in keep)  # exists: a step has at most max_loras < this
+                self._evict(victim)
+            self.loaded[lora_int_id] = prepared
+        return failed
 
     def _evict(self, lora_int_id: int) -> None:
         del self.loaded[lora_int_id]
@@ -99,34 +126,40 @@ class LoRAManager:
 
     # ---- the step ---------------------------------------------------------------------------------------
 
-    def _slot_for(self, request: LoRARequest, keep: set[int]) -> int:
-        """The slot holding the adapter, put there now if needed (a free slot, else the least recently used one
-        whose adapter is not in the step)."""
-        lora_id = request.lora_int_id
-        weights = self._load(request, keep)
+    def _slot_for(self, lora_id: int, keep: set[int]) -> int:
+        """The slot holding the (loaded) adapter, put there now if needed (a free slot, else the least recently
+        used one whose adapter is not in the step)."""
+        self.loaded.move_to_end(lora_id)
         if lora_id in self.slot_ids:
             slot = self.slot_ids.index(lora_id)
         else:
             free = [s for s, held in enumerate(self.slot_ids) if held is None]
             slot = free[0] if free else next(s for s in self._slot_use if self.slot_ids[s] not in keep)
-            self._fill_slot(slot, lora_id, weights)
+            self._fill_slot(slot, lora_id, self.loaded[lora_id])
         self._slot_use.pop(slot, None)
         self._slot_use[slot] = None
         return slot
 
-    def batch(self, spans: list[tuple[int, int, LoRARequest]], num_rows: int) -> LoRABatch | None:
+    def batch(self, spans: list[tuple[int, int, LoRARequest]],
+              num_rows: int) -> tuple[LoRABatch | None, dict[int, str]]:
         """The step's LoRABatch from (first row, end row, adapter) of each sequence that runs with one, in a step of
-        num_rows rows; None when none does."""
+        num_rows rows (None when none does), and the error of each adapter that could not be loaded: its
+        sequences' rows run with no adapter, and the engine fails their requests."""
         if not spans:
-            return None
+            return None, {}
         requests = {r.lora_int_id: r for _, _, r in spans}
         if len(requests) > self.config.max_loras:  # the scheduler keeps to max_loras: this is a bug, not a request
             raise RuntimeError(f"a step with {len(requests)} adapters, above max_loras {self.config.max_loras}")
         keep = set(requests)
-        slot_of = {lora_id: self._slot_for(r, keep) for lora_id, r in requests.items()}
+        failed = self._load_missing(list(requests.values()), keep)
+        slot_of = {lora_id: self._slot_for(lora_id, keep) for lora_id in requests if lora_id not in failed}
+        if not slot_of:
+            return None, failed
         # stacked when the step is small (a decode step: padding each slot to the busiest one's rows costs
         # little) and uses every filled slot (the stacked weights hold them all: running some would read the rest
         # for nothing)
         filled = tuple(slot for slot, lora_id in enumerate(self.slot_ids) if lora_id is not None)
         stack = filled if num_rows <= STACKED_MAX_ROWS and len(slot_of) == len(filled) > 1 else ()
-        return LoRABatch.from_spans([(s, e, slot_of[r.lora_int_id]) for s, e, r in spans], self.device, stack)
+        batch = LoRABatch.from_spans([(s, e, slot_of[r.lora_int_id]) for s, e, r in spans
+                                      if r.lora_int_id in slot_of], self.device, stack)
+        return batch, failed

@@ -68,10 +68,12 @@ class ModelRunner:
         """Sampled tokens on the last pipeline stage; None on the others, which pass their activations on."""
         self.input_batch.update(scheduler_output)
         inputs = self.input_batch.prepare(scheduler_output, self.kv_cache)
+        failed_loras = {}
         if inputs.lora_spans:
             if self.lora_manager is None:
                 raise RuntimeError("a sequence with a LoRA adapter reached a worker started without enable_lora")
-            inputs.attn_metadata.lora = self.lora_manager.batch(inputs.lora_spans, len(inputs.input_ids))
+            inputs.attn_metadata.lora, failed_loras = self.lora_manager.batch(inputs.lora_spans,
+                                                                              len(inputs.input_ids))
         pp = self.model.pp
         intermediate = None
         if not pp.is_first:
@@ -84,7 +86,7 @@ class ModelRunner:
         if not pp.is_last:
             pp.send(*hidden)
             return None
-        out = ModelRunnerOutput()
+        out = ModelRunnerOutput(failed_loras=failed_loras)
         if inputs.sampling_seqs:
             # the sequences' token lists grow when the scheduler sends these tokens back (step.py)
             logits = self.model.compute_logits(hidden[inputs.sample_rows]).cpu()

@@ -6,6 +6,8 @@ import dataclasses
 import logging
 import os
 
+from qwenserve.config.environment import env_defaults
+from qwenserve.config.errors import ConfigError
 from qwenserve.config.server_config import API_KEY_ENV, ServerConfig
 from qwenserve.entrypoints.cli.engine_args import add_engine_args, add_setting_flag, engine_config_from_args
 
@@ -19,7 +21,11 @@ def register(sub) -> None:
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
-    return ServerConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig)})
+    """The server's settings from the parsed flags, with the environment's defaults for those not given."""
+    fields = dataclasses.fields(ServerConfig)
+    given = {f.name: getattr(args, f.name) for f in fields if hasattr(args, f.name)}
+    from_env = env_defaults(fields, given.keys())
+    return ServerConfig(**given, **{name: found.value for name, found in from_env.items()})
 
 
 def run(args: argparse.Namespace) -> int:
@@ -31,20 +37,24 @@ def run(args: argparse.Namespace) -> int:
     from qwenserve.entrypoints.openai.graceful_shutdown import GracefulServer
 
     server = server_config_from_args(args)  # before the model loads: a bad server setting fails at once
-    engine = AsyncLLMEngine(build_engine(engine_config_from_args(args)),
-                            max_waiting_requests=server.max_waiting_requests)
-    names = server.served_model_name or [engine.model_id]
-    api_key = server.api_key or os.environ.get(API_KEY_ENV) or None
-    app = build_app(engine, names, api_key, max_n=server.max_n, max_request_bytes=server.max_request_bytes,
-                    allowed_origins=server.allowed_origins, metrics_public=server.metrics_public,
-                    log_requests=server.log_requests)
-    scheme = "https" if server.ssl_certfile else "http"
-    log = logging.getLogger("qwenserve")
-    log.info("serving %s at %s://%s:%d/v1", ", ".join(names), scheme, server.host, server.port)
-    if not api_key:
-        log.warning("no API key (--api-key or $%s): every route is open to whoever can reach %s:%d", API_KEY_ENV,
-                    server.host, server.port)
+    engine_config = engine_config_from_args(args)
+    if server.lora_modules and not engine_config.lora.enable_lora:
+        raise ConfigError(f"--lora-modules {' '.join(m.name for m in server.lora_modules)} needs --enable-lora")
+    engine = AsyncLLMEngine(build_engine(engine_config), max_waiting_requests=server.max_waiting_requests)
     try:
+        names = server.served_model_name or [engine.model_id]
+        api_key = server.api_key or os.environ.get(API_KEY_ENV) or None
+        app = build_app(engine, names, api_key, max_n=server.max_n, max_request_bytes=server.max_request_bytes,
+                        allowed_origins=server.allowed_origins, metrics_public=server.metrics_public,
+                        log_requests=server.log_requests, lora_modules=server.lora_modules,
+                        allow_runtime_lora_updating=server.allow_runtime_lora_updating)
+        scheme = "https" if server.ssl_certfile else "http"
+        log = logging.getLogger("qwenserve")
+        log.info("serving %s at %s://%s:%d/v1", ", ".join(names + [m.name for m in server.lora_modules]), scheme,
+                 server.host, server.port)
+        if not api_key:
+            log.warning("no API key (--api-key or $%s): every route is open to whoever can reach %s:%d",
+                        API_KEY_ENV, server.host, server.port)
         # uvicorn's access log is off: qwenserve.access writes one line per request, with its id and tokens
         config = uvicorn.Config(app, host=server.host, port=server.port, log_level="info", access_log=False,
                                 ssl_keyfile=server.ssl_keyfile, ssl_certfile=server.ssl_certfile)

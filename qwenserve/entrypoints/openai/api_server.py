@@ -14,7 +14,7 @@ from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from qwenserve.config.server_config import SERVER_DEFAULTS
+from qwenserve.config.server_config import SERVER_DEFAULTS, LoRAModulePath
 from qwenserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from qwenserve.entrypoints.openai.metrics import ServerMetrics
 from qwenserve.entrypoints.openai.middleware import (
@@ -26,7 +26,9 @@ from qwenserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 from qwenserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from qwenserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -69,14 +71,18 @@ class APIKeyMiddleware:
 def build_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: str | None = None,
               metrics: ServerMetrics | None = None, *, max_n: int = SERVER_DEFAULTS.max_n,
               max_request_bytes: int = SERVER_DEFAULTS.max_request_bytes, allowed_origins: list[str] | None = None,
-              metrics_public: bool = False, log_requests: bool = False) -> FastAPI:
+              metrics_public: bool = False, log_requests: bool = False,
+              lora_modules: tuple[LoRAModulePath, ...] = (), allow_runtime_lora_updating: bool = False) -> FastAPI:
     """The app (the settings are ServerConfig's). api_key guards every route but is_open_path's; CORS is off
-    unless allowed_origins names some; prompts and outputs are logged only with log_requests."""
+    unless allowed_origins names some; prompts and outputs are logged only with log_requests. lora_modules are
+    checked and registered here (a bad one raises ConfigError naming it); allow_runtime_lora_updating adds the
+    routes that load and unload adapters, with the engine's enable_lora."""
     server_metrics = metrics or ServerMetrics()
     if engine.generation_defaults:
         logger.info("sampling defaults from generation_config (used when a request does not set them): %s",
                     engine.generation_defaults)
-    serving_models = OpenAIServingModels(served_model_names, engine.max_model_len, vision=engine.supports_images)
+    serving_models = OpenAIServingModels(served_model_names, engine.max_model_len, engine, lora_modules,
+                                         vision=engine.supports_images)
     serving_completion = OpenAIServingCompletion(engine, serving_models, server_metrics, max_n, log_requests)
     serving_chat = OpenAIServingChat(engine, serving_models, server_metrics, max_n, log_requests)
     serving_tokenization = OpenAIServingTokenization(engine.tokenizer, serving_models)
@@ -156,6 +162,22 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: st
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await serving_chat.create_chat_completion(body, request)
+
+    if allow_runtime_lora_updating and engine.lora_config.enable_lora:
+        logger.warning("LoRA adapters may be loaded and unloaded while serving (/v1/load_lora_adapter, "
+                       "/v1/unload_lora_adapter): whoever holds the API key can make the server read any adapter "
+                       "directory it can reach")
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(body: LoadLoRAAdapterRequest):
+            return Response(await serving_models.load_lora_adapter(body.lora_name, body.lora_path),
+                            media_type="text/plain")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
+            return Response(await serving_models.unload_lora_adapter(body.lora_name), media_type="text/plain")
+    elif allow_runtime_lora_updating:
+        logger.warning("--allow-runtime-lora-updating is ignored: the engine was started without --enable-lora")
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):

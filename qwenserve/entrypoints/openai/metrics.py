@@ -2,6 +2,8 @@
 final output; gauges are read from the engine's stats() at scrape time."""
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from qwenserve.engine.outputs import RequestOutput
@@ -42,6 +44,15 @@ class ServerMetrics:
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("qwenserve_time_per_output_token_seconds", "Mean time per output token after the first",
                               buckets=_TOKEN_BUCKETS, registry=r)
+        # LoRA adapters (with enable_lora): vLLM's info series, whose labels name the adapters in use and whose
+        # value is the time it was read, and a count of requests per adapter
+        self.lora_info = Gauge("qwenserve_lora_requests_info", "LoRA adapters of the running and waiting requests "
+                               "(comma-separated names in the labels; the value is the time of the reading)",
+                               ["running_lora_adapters", "waiting_lora_adapters", "max_lora"], registry=r)
+        self.lora_running = Gauge("qwenserve_lora_num_requests_running", "Requests running with the LoRA adapter",
+                                  ["lora_name"], registry=r)
+        self.lora_waiting = Gauge("qwenserve_lora_num_requests_waiting", "Requests waiting with the LoRA adapter",
+                                  ["lora_name"], registry=r)
         # data-parallel replicas, one series each (the gauges above are their totals)
         per = ["replica"]
         self.replica_alive = Gauge("qwenserve_replica_alive", "1 while the replica serves, 0 once it has left the "
@@ -87,6 +98,7 @@ class ServerMetrics:
         self.spec_drafts.set(snap.get("spec_num_drafts", 0))
         self.spec_draft_tokens.set(snap.get("spec_num_draft_tokens", 0))
         self.spec_accepted_tokens.set(snap.get("spec_num_accepted_tokens", 0))
+        self._render_lora(snap.get("lora") or {})
         for rank, replica in enumerate(snap.get("replicas", ())):
             label = str(rank)
             self.replica_alive.labels(label).set(int(replica["alive"]))
@@ -96,3 +108,17 @@ class ServerMetrics:
             self.replica_hit_rate.labels(label).set(replica["hit_rate"])
             self.replica_routed.labels(label).set(replica["routed"])
         return generate_latest(self.registry)
+
+    def _render_lora(self, lora: dict) -> None:
+        """The adapters' series from LLMEngine.lora_stats(); an adapter no request uses any more leaves them."""
+        for gauge in (self.lora_info, self.lora_running, self.lora_waiting):
+            gauge.clear()
+        if not lora:
+            return
+        running, waiting = lora["running"], lora["waiting"]
+        self.lora_info.labels(",".join(sorted(running)), ",".join(sorted(waiting)),
+                              str(lora["max_loras"])).set(time.time())
+        for name, count in running.items():
+            self.lora_running.labels(name).set(count)
+        for name, count in waiting.items():
+            self.lora_waiting.labels(name).set(count)

@@ -26,14 +26,15 @@ class OpenAIServingChat(OpenAIServing):
         self.tool_tag_ids = tag_token_ids(self.tokenizer)
 
     async def create_chat_completion(self, body: ChatCompletionRequest, request: Request):
-        model = self.models.model_name(body.model)
+        model, lora_request = self.models.resolve(body.model)
         params = self._params(body, tool_tag_ids=self.tool_tag_ids)
         tools = body.tools_in_use
         tool_names = {tool["function"]["name"] for tool in tools or ()}
         ids = chat_ids(self.tokenizer, body.messages, body.add_generation_prompt, tools)
         rid = f"chatcmpl-{request_id(request)}"
         created = int(time.time())
-        admitted = await self._admit([{"prompt_token_ids": ids}], params, engine_ids_prefix(request, rid), body)
+        admitted = await self._admit([{"prompt_token_ids": ids}], params, engine_ids_prefix(request, rid), body,
+                                     lora_request)
         top_k = params.logprobs or 0
         if body.stream:
             first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,

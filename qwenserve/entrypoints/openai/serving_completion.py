@@ -30,13 +30,13 @@ def _prompts(prompt) -> list:
 
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, body: CompletionRequest, request: Request):
-        model = self.models.model_name(body.model)
+        model, lora_request = self.models.resolve(body.model)
         prompts = _prompts(body.prompt)
         params = self._params(body)
         rid = f"cmpl-{request_id(request)}"
         header = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model}
         admitted = await self._admit([self._tokenized(p) for p in prompts], params, engine_ids_prefix(request, rid),
-                                     body)
+                                     body, lora_request)
         if body.stream:
             return self._stream(request, header, admitted, body, self._delta_choices(params.n, body.echo))
         outs = await self._run(admitted, request)

@@ -15,6 +15,7 @@ from qwenserve.config.errors import RequestError
 from qwenserve.engine.async_engine import AsyncLLMEngine, DrainingError, EngineDeadError, OverloadedError
 from qwenserve.engine.outputs import RequestOutput
 from qwenserve.entrypoints.openai.metrics import ServerMetrics
+from qwenserve.lora.request import LoRARequest
 from qwenserve.model.loader.tokenizer import chat_prompt_ids
 from qwenserve.sample.grammar import check_constraint
 from qwenserve.sample.structured_outputs import FIELD as STRUCTURED_OUTPUTS
@@ -192,9 +193,11 @@ class OpenAIServing:
                                 f"{engine.kv_cache_tokens}; lower n or max_tokens",
                            param="n" if n > 1 else "max_tokens")
 
-    async def _admit(self, prompts: list[dict], params, prefix: str, body=None) -> Admitted:
+    async def _admit(self, prompts: list[dict], params, prefix: str, body=None,
+                     lora_request: LoRARequest | None = None) -> Admitted:
         """Admit every prompt before answering, so a bad one is a 400 (and admits none of the others). Each
-        prompt comes tokenized ({"prompt_token_ids": ...}, and "prompt" with its text) so its fit is known first."""
+        prompt comes tokenized ({"prompt_token_ids": ...}, and "prompt" with its text) so its fit is known first.
+        lora_request: the adapter the request's `model` names (None: the base model)."""
         self._check_fan_out([len(p["prompt_token_ids"]) for p in prompts], params)
         admitted = []
         try:
@@ -202,7 +205,7 @@ class OpenAIServing:
                 await asyncio.to_thread(check_constraint, params.structured_outputs)
             for i, prompt in enumerate(prompts):
                 rid = f"{prefix}-{i}"
-                admitted.append((rid, await self.engine.add_request(rid, prompt, params)))
+                admitted.append((rid, await self.engine.add_request(rid, prompt, params, lora_request)))
                 if self.log_requests:
                     request_logger.info("request %s: prompt %r, prompt_token_ids %s, params %s", rid,
                                         prompt.get("prompt"), prompt["prompt_token_ids"], params)
