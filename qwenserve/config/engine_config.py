@@ -178,11 +178,29 @@ class MultiModalConfig:
                                                         "between steps, so a prompt chunked across steps (or the "
                                                         "same image in another request) runs the tower once; least "
                                                         "recently used first out (default: %(default)s)", type=str)
+    # remote URLs are off by default: a server that fetches any URL a client names can be made to reach
+    # addresses only it can see
+    allowed_media_domains: list[str] | None = setting(
+        None, "hosts whose http(s) media URLs (image_url parts) are fetched, matched exactly, e.g. "
+              "images.example.com; default: none (every remote URL is refused)", nargs="+", metavar="HOST")
+    allowed_local_media_path: str | None = setting(
+        None, "directory whose files file:// media URLs may name (default: none, file:// URLs are refused)")
+    media_fetch_timeout: float = setting(5.0, "seconds one remote media URL may take to download (default: "
+                                              "%(default)s)", type=float)
+    max_media_bytes: int | str = setting("20MiB", "largest media file fetched or read for one content part "
+                                                  "(default: %(default)s)", type=str)
 
     def __post_init__(self):
         object.__setattr__(self, "limit_mm_per_prompt", parse_mm_limits(self.limit_mm_per_prompt))
         object.__setattr__(self, "encoder_cache_memory", parse_size(self.encoder_cache_memory,
                                                                     "encoder_cache_memory"))
+        object.__setattr__(self, "max_media_bytes", parse_size(self.max_media_bytes, "max_media_bytes"))
+        if isinstance(self.allowed_media_domains, str):  # one host given as a string (LLM(allowed_media_domains=...))
+            object.__setattr__(self, "allowed_media_domains", [self.allowed_media_domains])
+        if not self.media_fetch_timeout > 0:
+            raise ConfigError(f"media_fetch_timeout must be positive seconds, got {self.media_fetch_timeout!r}")
+        if self.max_media_bytes < 1:
+            raise ConfigError(f"max_media_bytes must be at least 1 byte, got {self.max_media_bytes!r}")
 
 
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")

@@ -72,6 +72,8 @@ class AsyncLLMEngine:
         self.generation_defaults = engine.generation_defaults
         self.max_num_seqs = engine.config.scheduler.max_num_seqs
         self.kv_cache_tokens = engine.kv_cache_tokens  # the most one request's sequences can ever hold
+        self.vision = engine.resolved_model.config.vision  # None: a text-only model
+        self.multimodal = engine.config.multimodal  # media limits and where media may come from
         self.max_waiting_requests = max_waiting_requests
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}

@@ -2,13 +2,18 @@
 the answer's tool calls come out as OpenAI `tool_calls` (tool_calls.py)."""
 from __future__ import annotations
 
+import asyncio
 import time
 
 from fastapi import Request
 
+from qwenserve.config.errors import RequestError
 from qwenserve.engine.outputs import RequestOutput
+from qwenserve.entrypoints.chat_content import load_media, media_placeholders, split_content
+from qwenserve.entrypoints.media import MediaConnector
 from qwenserve.entrypoints.openai.protocol import ChatCompletionRequest
 from qwenserve.entrypoints.openai.serving_engine import (
+    APIError,
     OpenAIServing,
     chat_ids,
     engine_ids_prefix,
@@ -24,16 +29,20 @@ class OpenAIServingChat(OpenAIServing):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.tool_tag_ids = tag_token_ids(self.tokenizer)
+        self.placeholders = media_placeholders(self.tokenizer, self.engine.vision)
+        self.media = MediaConnector.from_config(self.engine.multimodal)
 
     async def create_chat_completion(self, body: ChatCompletionRequest, request: Request):
         model = self.models.model_name(body.model)
         params = self._params(body, tool_tag_ids=self.tool_tag_ids)
         tools = body.tools_in_use
         tool_names = {tool["function"]["name"] for tool in tools or ()}
-        ids = chat_ids(self.tokenizer, body.messages, body.add_generation_prompt, tools)
+        messages, media = await self._media(body)
+        ids = chat_ids(self.tokenizer, messages, body.add_generation_prompt, tools)
+        prompt = {"prompt_token_ids": ids} | ({"multi_modal_data": media} if media else {})
         rid = f"chatcmpl-{request_id(request)}"
         created = int(time.time())
-        admitted = await self._admit([{"prompt_token_ids": ids}], params, engine_ids_prefix(request, rid), body)
+        admitted = await self._admit([prompt], params, engine_ids_prefix(request, rid), body)
         top_k = params.logprobs or 0
         if body.stream:
             first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -56,6 +65,18 @@ class OpenAIServingChat(OpenAIServing):
                             "finish_reason": finish_reason, "stop_reason": c.stop_reason})
         return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
                 "usage": usage([out])}
+
+    async def _media(self, body: ChatCompletionRequest) -> tuple[list, dict]:
+        """The messages with each media part replaced by its placeholder text, and the media, fetched and decoded
+        in a thread (a remote URL takes up to --media-fetch-timeout; the event loop serves others meanwhile)."""
+        try:
+            split, parts = split_content([{"content": m.content} for m in body.messages], self.placeholders,
+                                         self.engine.multimodal.limit_mm_per_prompt)
+            messages = [m.model_copy(update={"content": s["content"]}) for m, s in zip(body.messages, split)]
+            media = await asyncio.to_thread(load_media, parts, self.media) if parts else {}
+        except RequestError as e:
+            raise APIError(400, str(e), param=e.param) from e
+        return messages, media
 
     def _delta_choices(self, n: int, top_k: int, tool_names: set[str], parallel_tool_calls: bool = True):
         """The streamed choices of each output: its new text and the logprobs not sent yet. With tools, the text
