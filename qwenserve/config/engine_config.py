@@ -140,11 +140,12 @@ class SchedulerConfig:
         _check_positive(self, "max_num_seqs", "max_num_batched_tokens", "pipelined_step_tokens")
 
 
-MM_MODALITIES = ("image",)
+MM_MODALITIES = ("image", "video")
 
 
 def parse_mm_limits(value: int | str | dict) -> dict[str, int]:
-    """limit_mm_per_prompt's value -> {"image": n}: an int (images), a dict, or its JSON ('{"image": 4}')."""
+    """limit_mm_per_prompt's value -> {"image": n, "video": m}: an int (images), a dict, or its JSON
+    ('{"image": 4, "video": 1}'); a modality not named keeps the default."""
     import json
     if isinstance(value, str):
         try:
@@ -172,7 +173,8 @@ DEFAULT_MM_LIMIT = 16
 class MultiModalConfig:
     """Images in prompts (vision-language models)."""
     limit_mm_per_prompt: int | str | dict = setting(
-        DEFAULT_MM_LIMIT, 'most images one prompt may hold: a number, or JSON such as \'{"image": 4}\' '
+        DEFAULT_MM_LIMIT, 'most images (and videos) one prompt may hold: a number (images), or JSON such as '
+                          '\'{"image": 4, "video": 1}\' '
                           "(default: %(default)s)", type=str)
     encoder_cache_memory: int | str = setting("256MiB", "memory of each worker for vision-tower outputs kept "
                                                         "between steps, so a prompt chunked across steps (or the "

@@ -56,8 +56,6 @@ def split_content(messages: list[dict], placeholders: dict[str, str] | None,
             if not placeholders:
                 raise RequestError(f"{where} is {'an image' if modality == 'image' else 'a video'}, but this model "
                                    f"is text-only", param=where)
-            if modality not in placeholders:
-                raise RequestError(f"{where}: {modality} parts are not taken here yet", param=where)
             counts[modality] += 1
             limit = limits.get(modality)
             if limit is not None and counts[modality] > limit:
@@ -91,13 +89,19 @@ def load_media(parts: list[MediaPart], connector: MediaConnector) -> dict[str, l
         if part.modality == "image":
             item = connector.load_image(part.source, part.where)
         else:
-            item = [connector.load_image(frame, part.where) for frame in part.source]
+            item = []
+            for i, frame in enumerate(part.source):
+                try:
+                    item.append(connector.load_image(frame, part.where))
+                except RequestError as e:  # which frame, in the part's message; the part stays the param
+                    raise RequestError(str(e).replace(part.where, f"{part.where} (frame {i})", 1),
+                                       param=part.where) from None
         out.setdefault(part.modality, []).append(item)
     return out
 
 
 def media_placeholders(tokenizer, vision) -> dict[str, str] | None:
-    """The text of one image (and one video) in this tokenizer's spelling: the vision markers around one pad
+    """The text of one image and of one video in this tokenizer's spelling: the vision markers around one pad
     token; None for a text-only model (vision None)."""
     if vision is None:
         return None
@@ -105,4 +109,4 @@ def media_placeholders(tokenizer, vision) -> dict[str, str] | None:
     def marked(pad: int) -> str:
         return "".join(tokenizer.convert_ids_to_tokens([vision.vision_start_token_id, pad,
                                                          vision.vision_end_token_id]))
-    return {"image": marked(vision.image_token_id)}
+    return {"image": marked(vision.image_token_id), "video": marked(vision.video_token_id)}
