@@ -201,9 +201,12 @@ def test_bad_parts_are_400s_naming_the_part(server, media_host, media_dir):
 def test_engine_refusal_of_an_image_fails_only_that_request(server, client):
     """An image the engine refuses after fetching (aspect ratio over 200) is a 400 too, and leaves no blocks."""
     url, engine = server
+    ok = image_part(data_url(random_image(40, 40)))
     response = httpx.post(url + "/v1/chat/completions", timeout=30, json={
-        "model": "vl", "messages": user("x", image_part(data_url(random_image(2, 500))))})
-    assert response.status_code == 400 and "aspect ratio" in response.json()["error"]["message"]
+        "model": "vl", "messages": user("x", ok, image_part(data_url(random_image(2, 500))))})
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == "messages[0].content[2]"
+    assert error["message"].startswith("messages[0].content[2]: an image's aspect ratio must be below 200")
     out = client.chat.completions.create(model="vl", messages=user("x", image_part(data_url(random_image(40, 40)))),
                                          **GREEDY)
     assert out.usage.completion_tokens == MAX_TOKENS

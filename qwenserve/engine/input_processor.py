@@ -113,7 +113,7 @@ class InputProcessor:
                 try:
                     processed[kind].append(process(item))
                 except RequestError as e:
-                    raise RequestError(f"{kind} {i + 1}: {e}", param=e.param) from None
+                    raise RequestError(f"{kind} {i + 1}: {e}", param=f"multi_modal_data.{kind}[{i}]") from None
         ids, image_offsets, video_offsets = self.image_processor.expand_placeholders(ids, processed["image"],
                                                                                      processed["video"])
         inputs = [ImageInput(offset, p.num_tokens, p.grid, p.content_hash, p.pixel_values, p.time_interval)
