@@ -160,3 +160,26 @@ def test_video_over_http_equals_offline(vl):
             wait_idle_and_clean(engine)
     finally:
         engine.shutdown()
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("vl", ["qwen2_5_vl"], indirect=True)
+@pytest.mark.parametrize("tp,pp,extra", [(2, 1, {}), (1, 2, dict(max_num_batched_tokens=64))])
+def test_images_and_video_across_worker_processes(vl, tp, pp, extra):
+    """Tensor parallel (every rank runs the tower) and pipeline parallel (the first stage runs it; chunks of 64
+    tokens cut the video and image over steps in flight) give transformers' tokens."""
+    _, hf, path = vl
+    image = random_image(150, 100, seed=4)
+    cases = [(f"a {IMAGE} b {VIDEO} c", [image], FRAMES), (f"watch {VIDEO} now", [], FRAMES[:2]),
+             (f"just {IMAGE}", [image], None)]
+    llm = LLM(path, dtype="float32", kv_cache_memory="64MiB", tensor_parallel_size=tp, pipeline_parallel_size=pp,
+              **extra)
+    try:
+        prompts = [{"prompt": text, "multi_modal_data": ({"video": video} if video else {}) |
+                    ({"image": images} if images else {})} for text, images, video in cases]
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        tok = llm.get_tokenizer()
+        for (text, images, video), out in zip(cases, outs):
+            assert list(out.outputs[0].token_ids) == hf_generate(hf, tok, text, images, video, GREEDY.max_tokens)
+    finally:
+        llm.engine.shutdown()
