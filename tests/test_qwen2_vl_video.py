@@ -183,3 +183,30 @@ def test_images_and_video_across_worker_processes(vl, tp, pp, extra):
             assert list(out.outputs[0].token_ids) == hf_generate(hf, tok, text, images, video, GREEDY.max_tokens)
     finally:
         llm.engine.shutdown()
+
+
+def test_compare_command_on_a_vl_checkpoint(vl, tmp_path, capsys):
+    """`qwenserve compare` takes chat prompts with image and video parts (file:// under the allowed path) and finds
+    transformers' tokens and logits equal to the engine's."""
+    import json
+
+    from qwenserve.entrypoints.cli.main import main
+    _, _, path = vl
+    frame = tmp_path / "frame.png"
+    FRAMES[0].save(frame)
+    prompts = [
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "see "},
+                                                   {"type": "image_url", "image_url": {"url": frame.as_uri()}}]}]},
+        {"messages": [{"role": "user", "content": [
+            {"type": "video_url", "video_url": {"url": [data_url(f) for f in FRAMES]}}, {"type": "text", "text": "?"}]}]},
+        "a text-only prompt",
+    ]
+    prompts_file = tmp_path / "prompts.json"
+    prompts_file.write_text(json.dumps(prompts))
+    code = main(["compare", "--model", path, "--prompts", str(prompts_file), "--max-tokens", "4", "--json",
+                 "--allowed-local-media-path", str(tmp_path)])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0 and report["all_equal"], report
+    for result in report["prompts"]:
+        assert result["hf_tokens"] == result["qwenserve_tokens"] and len(result["hf_tokens"]) >= 1
+        assert result["max_logit_diff"] < 1e-4
