@@ -13,7 +13,7 @@ import time
 import httpx
 import openai
 import pytest
-from helpers import live_server, save_hf_dir, tiny_hf_model, wait_idle_and_clean
+from helpers import hold_engine_thread, live_server, save_hf_dir, tiny_hf_model, wait_idle_and_clean
 from vl_helpers import IMAGE, data_url, hf_greedy, random_image, save_hf_vl_dir, tiny_hf_vl_model
 
 from qwenserve import LLM, SamplingParams
@@ -198,12 +198,14 @@ def test_bad_parts_are_400s_naming_the_part(server, media_host, media_dir):
     wait_idle_and_clean(engine)
 
 
-def test_engine_refusal_of_an_image_fails_only_that_request(server, client):
-    """An image the engine refuses after fetching (aspect ratio over 200) is a 400 too, and leaves no blocks."""
+def test_preprocessing_refusal_names_the_part_off_the_engine_thread(server, client):
+    """An image refused by preprocessing (aspect ratio over 200) is a 400 naming its part, and leaves no blocks.
+    Preprocessing runs in the server's worker thread: the answer comes while the engine's thread is held."""
     url, engine = server
     ok = image_part(data_url(random_image(40, 40)))
-    response = httpx.post(url + "/v1/chat/completions", timeout=30, json={
-        "model": "vl", "messages": user("x", ok, image_part(data_url(random_image(2, 500))))})
+    with hold_engine_thread(engine):  # held for 30 s: an answer that needed the engine would time out first
+        response = httpx.post(url + "/v1/chat/completions", timeout=10, json={
+            "model": "vl", "messages": user("x", ok, image_part(data_url(random_image(2, 500))))})
     error = response.json()["error"]
     assert response.status_code == 400 and error["param"] == "messages[0].content[2]"
     assert error["message"].startswith("messages[0].content[2]: an image's aspect ratio must be below 200")

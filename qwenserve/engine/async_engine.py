@@ -74,6 +74,7 @@ class AsyncLLMEngine:
         self.kv_cache_tokens = engine.kv_cache_tokens  # the most one request's sequences can ever hold
         self.vision = engine.resolved_model.config.vision  # None: a text-only model
         self.multimodal = engine.config.multimodal  # media limits and where media may come from
+        self.image_processor = engine.input_processor.image_processor  # stateless: callers preprocess in threads
         self.max_waiting_requests = max_waiting_requests
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}

@@ -12,7 +12,7 @@ from qwenserve.core.multimodal import ImageInput
 from qwenserve.lora.peft import LoRAAdapterError
 from qwenserve.lora.registry import AdapterRegistry
 from qwenserve.lora.request import LoRARequest
-from qwenserve.model.models.qwen2_vl_processor import Qwen2VLProcessor
+from qwenserve.model.models.qwen2_vl_processor import ProcessedImage, Qwen2VLProcessor
 from qwenserve.sample.grammar import check_constraint
 from qwenserve.sample.sampling_params import SamplingParams
 
@@ -110,8 +110,8 @@ class InputProcessor:
                                    f"(limit_mm_per_prompt)", param="multi_modal_data")
             processed[kind] = []
             for i, item in enumerate(raw):
-                try:
-                    processed[kind].append(process(item))
+                try:  # the server preprocesses off the engine's thread and hands over ProcessedImages
+                    processed[kind].append(item if isinstance(item, ProcessedImage) else process(item))
                 except RequestError as e:
                     raise RequestError(f"{kind} {i + 1}: {e}", param=f"multi_modal_data.{kind}[{i}]") from None
         ids, image_offsets, video_offsets = self.image_processor.expand_placeholders(ids, processed["image"],
@@ -151,8 +151,8 @@ class InputProcessor:
 
 def _items(value, kind: str) -> list:
     """multi_modal_data's value for one modality as a list of items. An image: one, or a list of them. A video
-    is itself a list of frames (or a uint8 array [frames, height, width, 3]): a list of such lists or arrays is
-    several videos; a flat list of frames, one."""
+    is itself a list of frames (or a uint8 array [frames, height, width, 3], or one preprocessed): a list of
+    such lists, arrays or ProcessedImages is several videos; a flat list of frames, one."""
     import numpy as np
     if value is None:
         return []
@@ -160,7 +160,8 @@ def _items(value, kind: str) -> list:
         return list(value) if isinstance(value, (list, tuple)) else [value]
     if isinstance(value, np.ndarray):
         return [value]
-    if isinstance(value, (list, tuple)) and value and isinstance(value[0], (list, tuple, np.ndarray)):
+    if isinstance(value, (list, tuple)) and value and isinstance(value[0], (list, tuple, np.ndarray,
+                                                                             ProcessedImage)):
         return list(value)
     return [value]
 

@@ -72,16 +72,31 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _media(self, body: ChatCompletionRequest) -> tuple[list, list[MediaPart], dict]:
         """The messages with each media part replaced by its placeholder text, the media parts, and their media,
-        fetched and decoded in a thread (a remote URL takes up to --media-fetch-timeout; the event loop serves
-        others meanwhile)."""
+        fetched, decoded and preprocessed in a thread (a remote URL takes up to --media-fetch-timeout, a video's
+        resize a while; the event loop and the engine's thread serve others meanwhile)."""
         try:
             split, parts = split_content([{"content": m.content} for m in body.messages], self.placeholders,
                                          self.engine.multimodal.limit_mm_per_prompt)
             messages = [m.model_copy(update={"content": s["content"]}) for m, s in zip(body.messages, split)]
-            media = await asyncio.to_thread(load_media, parts, self.media) if parts else {}
+            media = await asyncio.to_thread(self._load_and_preprocess, parts) if parts else {}
         except RequestError as e:
             raise APIError(400, str(e), param=e.param) from e
         return messages, parts, media
+
+    def _load_and_preprocess(self, parts: list[MediaPart]) -> dict[str, list]:
+        """multi_modal_data of ProcessedImages, which the engine takes as they are; a refusal names the part."""
+        media = load_media(parts, self.media)
+        processor = self.engine.image_processor
+        steps = {"image": processor.process, "video": processor.process_video}
+        out = {}
+        for kind, items in media.items():
+            out[kind] = []
+            for item, where in zip(items, [p.where for p in parts if p.modality == kind]):
+                try:
+                    out[kind].append(steps[kind](item))
+                except RequestError as e:
+                    raise RequestError(f"{where}: {e}", param=where) from None
+        return out
 
     def _delta_choices(self, n: int, top_k: int, tool_names: set[str], parallel_tool_calls: bool = True):
         """The streamed choices of each output: its new text and the logprobs not sent yet. With tools, the text
