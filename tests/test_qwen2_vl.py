@@ -157,7 +157,7 @@ def test_bad_image_input_fails_only_its_request(vl, tmp_path):
         ({"prompt": f"x {IMAGE}", "multi_modal_data": {"image": ["https://example.com/a.png"]}}, "not fetched"),
         ({"prompt": "no placeholder", "multi_modal_data": {"image": images[:1]}}, "0 image placeholders"),
         ({"prompt": f"x {IMAGE}"}, "no images"),
-        ({"prompt": "x", "multi_modal_data": {"audio": [1]}}, "images only"),
+        ({"prompt": "x", "multi_modal_data": {"audio": [1]}}, r"images \(.image.\) and videos"),
     ]
     for prompt, message in cases:
         with pytest.raises(RequestError, match=message):

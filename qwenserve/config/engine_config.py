@@ -140,11 +140,12 @@ class SchedulerConfig:
         _check_positive(self, "max_num_seqs", "max_num_batched_tokens", "pipelined_step_tokens")
 
 
-MM_MODALITIES = ("image",)
+MM_MODALITIES = ("image", "video")
 
 
 def parse_mm_limits(value: int | str | dict) -> dict[str, int]:
-    """limit_mm_per_prompt's value -> {"image": n}: an int (images), a dict, or its JSON ('{"image": 4}')."""
+    """limit_mm_per_prompt's value -> {"image": n, "video": m}: an int (images), a dict, or its JSON
+    ('{"image": 4, "video": 1}'); a modality not named keeps the default."""
     import json
     if isinstance(value, str):
         try:
@@ -172,17 +173,36 @@ DEFAULT_MM_LIMIT = 16
 class MultiModalConfig:
     """Images in prompts (vision-language models)."""
     limit_mm_per_prompt: int | str | dict = setting(
-        DEFAULT_MM_LIMIT, 'most images one prompt may hold: a number, or JSON such as \'{"image": 4}\' '
+        DEFAULT_MM_LIMIT, 'most images (and videos) one prompt may hold: a number (images), or JSON such as '
+                          '\'{"image": 4, "video": 1}\' '
                           "(default: %(default)s)", type=str)
     encoder_cache_memory: int | str = setting("256MiB", "memory of each worker for vision-tower outputs kept "
                                                         "between steps, so a prompt chunked across steps (or the "
                                                         "same image in another request) runs the tower once; least "
                                                         "recently used first out (default: %(default)s)", type=str)
+    # remote URLs are off by default: a server that fetches any URL a client names can be made to reach
+    # addresses only it can see
+    allowed_media_domains: list[str] | None = setting(
+        None, "hosts whose http(s) media URLs (image_url parts) are fetched, matched exactly, e.g. "
+              "images.example.com; default: none (every remote URL is refused)", nargs="+", metavar="HOST")
+    allowed_local_media_path: str | None = setting(
+        None, "directory whose files file:// media URLs may name (default: none, file:// URLs are refused)")
+    media_fetch_timeout: float = setting(5.0, "seconds one remote media URL may take to download (default: "
+                                              "%(default)s)", type=float)
+    max_media_bytes: int | str = setting("20MiB", "largest media file fetched or read for one content part "
+                                                  "(default: %(default)s)", type=str)
 
     def __post_init__(self):
         object.__setattr__(self, "limit_mm_per_prompt", parse_mm_limits(self.limit_mm_per_prompt))
         object.__setattr__(self, "encoder_cache_memory", parse_size(self.encoder_cache_memory,
                                                                     "encoder_cache_memory"))
+        object.__setattr__(self, "max_media_bytes", parse_size(self.max_media_bytes, "max_media_bytes"))
+        if isinstance(self.allowed_media_domains, str):  # one host given as a string (LLM(allowed_media_domains=...))
+            object.__setattr__(self, "allowed_media_domains", [self.allowed_media_domains])
+        if not self.media_fetch_timeout > 0:
+            raise ConfigError(f"media_fetch_timeout must be positive seconds, got {self.media_fetch_timeout!r}")
+        if self.max_media_bytes < 1:
+            raise ConfigError(f"max_media_bytes must be at least 1 byte, got {self.max_media_bytes!r}")
 
 
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")

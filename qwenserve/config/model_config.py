@@ -42,6 +42,9 @@ class VisionConfig:
     window_size: int = 112  # Qwen2.5-VL: the attention window's side in pixels
     fullatt_block_indexes: tuple[int, ...] = ()  # Qwen2.5-VL: blocks that attend over the whole image
     rope_theta: float = 10000.0
+    # Qwen2.5-VL: temporal M-RoPE positions per second of video (a video's frames are spaced in time);
+    # Qwen2-VL: None, its frames are one position apart
+    tokens_per_second: float | None = None
 
     def __post_init__(self):
         for name in ("depth", "hidden_size", "out_hidden_size", "intermediate_size", "num_heads", "patch_size",
@@ -84,7 +87,9 @@ class VisionConfig:
             patch_size=vision.get("patch_size", 14), spatial_merge_size=vision.get("spatial_merge_size", 2),
             temporal_patch_size=vision.get("temporal_patch_size", 2), window_size=vision.get("window_size", 112),
             fullatt_block_indexes=tuple(vision.get("fullatt_block_indexes", ())),
-            rope_theta=float(rope.get("rope_theta", 10000.0)), **{k: cfg[k] for k in _VISION_TOKENS})
+            rope_theta=float(rope.get("rope_theta", 10000.0)),
+            tokens_per_second=vision.get("tokens_per_second", 4) if windowed else None,  # 4: transformers' default
+            **{k: cfg[k] for k in _VISION_TOKENS})
 
     @property
     def merge_unit(self) -> int:

@@ -71,12 +71,14 @@ class AsyncLLMEngine:
         self.tokenizer = engine.tokenizer
         self.model_id = engine.model_id
         self.max_model_len = engine.max_model_len
-        self.supports_images = engine.resolved_model.config.vision is not None  # a vision-language checkpoint
         self.generation_defaults = engine.generation_defaults
         self.max_num_seqs = engine.config.scheduler.max_num_seqs
         self.kv_cache_tokens = engine.kv_cache_tokens  # the most one request's sequences can ever hold
         self.model_config = engine.resolved_model.config
         self.lora_config = engine.config.lora
+        self.vision = engine.resolved_model.config.vision  # None: a text-only model
+        self.multimodal = engine.config.multimodal  # media limits and where media may come from
+        self.image_processor = engine.input_processor.image_processor  # stateless: callers preprocess in threads
         self.max_waiting_requests = max_waiting_requests
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}

@@ -12,7 +12,7 @@ from qwenserve.core.multimodal import ImageInput
 from qwenserve.lora.peft import LoRAAdapterError
 from qwenserve.lora.registry import AdapterRegistry
 from qwenserve.lora.request import LoRARequest
-from qwenserve.model.models.qwen2_vl_processor import Qwen2VLProcessor
+from qwenserve.model.models.qwen2_vl_processor import ProcessedImage, Qwen2VLProcessor
 from qwenserve.sample.grammar import check_constraint
 from qwenserve.sample.sampling_params import SamplingParams
 
@@ -82,35 +82,44 @@ class InputProcessor:
             raise RequestError(str(e), param="lora_request") from None
 
     def _images(self, prompt, ids: list[int]) -> tuple[list[int], tuple[ImageInput, ...]]:
-        """The prompt with its image placeholders expanded, and its images, from prompt["multi_modal_data"]."""
+        """The prompt with its image and video placeholders expanded, and its images and videos in prompt order
+        (a video is an ImageInput whose grid has several frames), from prompt["multi_modal_data"]."""
         data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        vision = self.image_processor.vision if self.image_processor is not None else None
         if not data:
-            if self.image_processor is not None and self.image_processor.vision.image_token_id in ids:
-                raise RequestError("the prompt has image placeholders (<|image_pad|>) but no images",
-                                   param="multi_modal_data")
+            for kind, pad in (("image", vision.image_token_id), ("video", vision.video_token_id)) if vision else ():
+                if pad in ids:
+                    raise RequestError(f"the prompt has {kind} placeholders (<|{kind}_pad|>) but no {kind}s",
+                                       param="multi_modal_data")
             return ids, ()
         if not isinstance(data, dict):
             raise RequestError("multi_modal_data must be a dict such as {'image': [...]}", param="multi_modal_data")
-        unknown = [k for k in data if k != "image"]
+        unknown = [k for k in data if k not in ("image", "video")]
         if unknown:
-            raise RequestError(f"multi_modal_data holds {unknown}; this engine takes images only ('image')",
-                               param="multi_modal_data")
+            raise RequestError(f"multi_modal_data holds {unknown}; this engine takes images ('image') and videos "
+                               f"('video')", param="multi_modal_data")
         if self.image_processor is None:
-            raise RequestError("this model is text-only: it takes no images", param="multi_modal_data")
-        raw = data["image"] if isinstance(data["image"], (list, tuple)) else [data["image"]]
-        limit = self.mm_limits.get("image", len(raw))
-        if len(raw) > limit:
-            raise RequestError(f"the prompt holds {len(raw)} images; at most {limit} are allowed "
-                               f"(limit_mm_per_prompt)", param="multi_modal_data")
-        processed = []
-        for i, image in enumerate(raw):
-            try:
-                processed.append(self.image_processor.process(image))
-            except RequestError as e:
-                raise RequestError(f"image {i + 1}: {e}", param=e.param) from None
-        ids, offsets = self.image_processor.expand_placeholders(ids, processed)
-        return ids, tuple(ImageInput(offset, p.num_tokens, p.grid, p.content_hash, p.pixel_values)
-                          for offset, p in zip(offsets, processed))
+            raise RequestError("this model is text-only: it takes no images or videos", param="multi_modal_data")
+        processed = {}
+        for kind, process in (("image", self.image_processor.process),
+                              ("video", self.image_processor.process_video)):
+            raw = _items(data.get(kind), kind)
+            limit = self.mm_limits.get(kind, len(raw))
+            if len(raw) > limit:
+                raise RequestError(f"the prompt holds {len(raw)} {kind}s; at most {limit} are allowed "
+                                   f"(limit_mm_per_prompt)", param="multi_modal_data")
+            processed[kind] = []
+            for i, item in enumerate(raw):
+                try:  # the server preprocesses off the engine's thread and hands over ProcessedImages
+                    processed[kind].append(item if isinstance(item, ProcessedImage) else process(item))
+                except RequestError as e:
+                    raise RequestError(f"{kind} {i + 1}: {e}", param=f"multi_modal_data.{kind}[{i}]") from None
+        ids, image_offsets, video_offsets = self.image_processor.expand_placeholders(ids, processed["image"],
+                                                                                     processed["video"])
+        inputs = [ImageInput(offset, p.num_tokens, p.grid, p.content_hash, p.pixel_values, p.time_interval)
+                  for offsets, kind in ((image_offsets, "image"), (video_offsets, "video"))
+                  for offset, p in zip(offsets, processed[kind])]
+        return ids, tuple(sorted(inputs, key=lambda item: item.offset))
 
     def _check(self, ids: list[int], params: SamplingParams) -> None:
         if params.structured_outputs is not None:
@@ -138,3 +147,21 @@ class InputProcessor:
                                f"{max_tokens} max_tokens need {need} blocks of {self.block_size} tokens, and the "
                                f"whole cache has {self.num_kv_blocks} (lower max_tokens, or raise kv_cache_memory)",
                                param="prompt" if params.max_tokens is None else "max_tokens")
+
+
+def _items(value, kind: str) -> list:
+    """multi_modal_data's value for one modality as a list of items. An image: one, or a list of them. A video
+    is itself a list of frames (or a uint8 array [frames, height, width, 3], or one preprocessed): a list of
+    such lists, arrays or ProcessedImages is several videos; a flat list of frames, one."""
+    import numpy as np
+    if value is None:
+        return []
+    if kind == "image":
+        return list(value) if isinstance(value, (list, tuple)) else [value]
+    if isinstance(value, np.ndarray):
+        return [value]
+    if isinstance(value, (list, tuple)) and value and isinstance(value[0], (list, tuple, np.ndarray,
+                                                                             ProcessedImage)):
+        return list(value)
+    return [value]
+

@@ -7,9 +7,10 @@ import time
 from qwenserve.config.engine_config import EngineConfig
 from qwenserve.engine.data_parallel import build_engine
 from qwenserve.engine.outputs import RequestOutput
+from qwenserve.entrypoints.chat_content import load_media, media_placeholders, split_content
+from qwenserve.entrypoints.media import MediaConnector
 from qwenserve.lora.request import LoRARequest
 from qwenserve.model.loader.tokenizer import chat_prompt_ids
-from qwenserve.model.models.qwen2_vl_processor import image_placeholder, split_image_parts
 from qwenserve.sample.sampling_params import SamplingParams
 
 
@@ -49,19 +50,21 @@ class LLM:
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """messages: one conversation (a list of {"role", "content"} dicts) or a list of conversations. A
-        message's content may be a list of OpenAI parts: text, and for a vision-language model images
-        ({"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}} or {"type": "image_pil",
-        "image_pil": <PIL image>})."""
+        message's content may be a list of OpenAI parts (entrypoints/chat_content.py): text, and for a
+        vision-language model images ({"type": "image_url", "image_url": {"url": ...}} with a data:, http(s):// or
+        file:// URL, fetched and read as allowed_media_domains and allowed_local_media_path allow, or
+        {"type": "image_pil", "image_pil": <PIL image>})."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.get_tokenizer()
-        vision = self.engine.resolved_model.config.vision
-        placeholder = image_placeholder(tok, vision) if vision is not None else None
+        mm = self.engine.config.multimodal
+        placeholders = media_placeholders(tok, self.engine.resolved_model.config.vision)
+        connector = MediaConnector.from_config(mm)
         prompts = []
         for conv in conversations:
-            conv, images = split_image_parts(conv, placeholder)
+            conv, parts = split_content(conv, placeholders, mm.limit_mm_per_prompt)
             prompt = {"prompt_token_ids": chat_prompt_ids(tok, conv, add_generation_prompt)}
-            if images:
-                prompt["multi_modal_data"] = {"image": images}
+            if parts:
+                prompt["multi_modal_data"] = load_media(parts, connector)
             prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 

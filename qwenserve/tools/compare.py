@@ -1,5 +1,8 @@
 """Greedy decoding in HF transformers and in qwenserve on the same weights and token ids (float32), and
-where they part: first diverging token and the largest logit difference over the steps both saw."""
+where they part: first diverging token and the largest logit difference over the steps both saw. For a
+vision-language checkpoint a prompt may carry images and videos (multi_modal_data): both models take the same
+preprocessed pixels (qwenserve's preprocessing, which the tests hold equal to transformers'), so the comparison is
+of the towers, the positions and the language model."""
 from __future__ import annotations
 
 import json
@@ -7,6 +10,7 @@ import os
 from collections.abc import Collection
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 
 DEFAULT_PROMPTS = [
@@ -43,19 +47,25 @@ def load_prompts(path: str | None) -> list:
 
 
 def prompt_ids(tokenizer, prompt) -> tuple[str, list[int]]:
+    """A prompt's text (for the table) and token ids: a string, {"messages": [...]} rendered with the chat template
+    (string contents), or {"prompt": "..."}; a dict may also hold multi_modal_data, which this leaves alone."""
     from qwenserve.model.loader.tokenizer import chat_prompt_ids
     if isinstance(prompt, dict):
-        if "messages" not in prompt:
-            raise ValueError(f"prompt object without 'messages': {prompt}")
-        return json.dumps(prompt["messages"], ensure_ascii=False), chat_prompt_ids(tokenizer, prompt["messages"])
+        if "messages" in prompt:
+            return json.dumps(prompt["messages"], ensure_ascii=False), chat_prompt_ids(tokenizer, prompt["messages"])
+        if isinstance(prompt.get("prompt"), str):
+            return prompt["prompt"], tokenizer.encode(prompt["prompt"], add_special_tokens=False)
+        raise ValueError(f"prompt object without 'messages' or 'prompt': {prompt}")
     return prompt, tokenizer.encode(prompt, add_special_tokens=False)
 
 
-def load_hf_model(path: str):
-    """HF transformers' own Qwen2 in float32 on the same file qwenserve reads."""
-    from transformers import AutoModelForCausalLM
+def load_hf_model(path: str, vision: bool = False):
+    """HF transformers' own Qwen2 (or Qwen2-VL / Qwen2.5-VL, vision) in float32 on the same file qwenserve reads."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
+    if vision:
+        return AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
     if path.endswith(".gguf"):
         directory, name = os.path.split(os.path.abspath(path))
         return AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
@@ -81,6 +91,32 @@ def hf_greedy(hf_model, ids: list[int], max_tokens: int,
         out = hf_model(input_ids=torch.tensor([[token]]), cache=out.cache, use_cache=True)
 
 
+@torch.inference_mode()
+def hf_greedy_vl(hf_model, ids: list[int], media: list, vision, max_tokens: int,
+                 stop_ids: Collection[int] = ()) -> tuple[list[int], list[torch.Tensor]]:
+    """hf_greedy for a vision-language model: ids with the placeholders already expanded, media the prompt's
+    ImageInputs (core/multimodal.py) in prompt order, a video told by its frames; transformers' generate (which
+    keeps the M-RoPE delta between steps) with each step's logits."""
+    kwargs: dict = {}
+    for kind, pad in (("image", vision.image_token_id), ("video", vision.video_token_id)):
+        items = [m for m in media if ids[m.offset] == pad]
+        if items:
+            prefix = "pixel_values" if kind == "image" else "pixel_values_videos"
+            kwargs[prefix] = torch.from_numpy(np.concatenate([m.pixel_values for m in items]))
+            kwargs[f"{kind}_grid_thw"] = torch.tensor([list(m.grid) for m in items])
+            if kind == "video" and vision.tokens_per_second is not None:  # Qwen2.5-VL: the frames' spacing
+                kwargs["second_per_grid_ts"] = torch.tensor([m.time_interval / vision.tokens_per_second
+                                                             for m in items])
+    types = [{vision.image_token_id: 1, vision.video_token_id: 2}.get(t, 0) for t in ids]
+    input_ids = torch.tensor([ids])
+    out = hf_model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                            max_new_tokens=max_tokens, eos_token_id=list(stop_ids) or None, pad_token_id=0,
+                            output_logits=True, return_dict_in_generate=True,
+                            mm_token_type_ids=torch.tensor([types]), **kwargs)
+    tokens = out.sequences[0, len(ids):].tolist()
+    return tokens, [step[0].float() for step in out.logits[:len(tokens)]]
+
+
 def compare_one(prompt_text: str, hf_tokens, hf_logits, qs_tokens, qs_logits) -> PromptComparison:
     divergence = next((i for i, (a, b) in enumerate(zip(hf_tokens, qs_tokens)) if a != b), None)
     if divergence is None and len(hf_tokens) != len(qs_tokens):
@@ -90,9 +126,11 @@ def compare_one(prompt_text: str, hf_tokens, hf_logits, qs_tokens, qs_logits) ->
     return PromptComparison(prompt_text, divergence is None, divergence, diff, steps, hf_tokens, qs_tokens)
 
 
-def run_compare(model: str | None, prompts: list, max_tokens: int, cpu_kernels: bool = True) -> list[PromptComparison]:
+def run_compare(model: str | None, prompts: list, max_tokens: int, cpu_kernels: bool = True,
+                prepare=None) -> list[PromptComparison]:
     """Each prompt alone through the engine (greedy, float32, logits recorded; cpu_kernels: the setting) and
-    through HF transformers."""
+    through HF transformers. prepare(prompt, engine) -> prompt, if given, first turns a chat prompt's content
+    parts into text and multi_modal_data (the CLI's, from entrypoints, which this layer does not import)."""
     from qwenserve.config.engine_config import EngineConfig
     from qwenserve.engine.llm_engine import LLMEngine
     from qwenserve.sample.sampling_params import SamplingParams
@@ -100,12 +138,22 @@ def run_compare(model: str | None, prompts: list, max_tokens: int, cpu_kernels: 
     # the exact path (weights dequantized to float32) is what must equal HF
     engine = LLMEngine(EngineConfig.from_kwargs(model=model, dtype="float32", quantization="none",
                                                 kv_cache_memory="1GiB", record_logits=True, cpu_kernels=cpu_kernels))
-    hf_model = load_hf_model(engine.resolved_model.path)
+    vision = engine.resolved_model.config.vision
+    hf_model = load_hf_model(engine.resolved_model.path, vision is not None)
+    stop_ids = set(engine.input_processor.eos_token_ids)
     results = []
     for i, prompt in enumerate(prompts):
+        prompt = prepare(prompt, engine) if prepare is not None else prompt
         text, ids = prompt_ids(engine.tokenizer, prompt)
-        hf_tokens, hf_logits = hf_greedy(hf_model, ids, max_tokens, set(engine.input_processor.eos_token_ids))
-        engine.add_request(f"compare-{i}", {"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+        media = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        request = {"prompt_token_ids": ids} | ({"multi_modal_data": media} if media else {})
+        processed = engine.input_processor.process(request, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+        engine.add_processed_request(f"compare-{i}", processed)
+        if vision is None:
+            hf_tokens, hf_logits = hf_greedy(hf_model, ids, max_tokens, stop_ids)
+        else:  # the prompt with its placeholders expanded and the media preprocessed, as the engine runs them
+            hf_tokens, hf_logits = hf_greedy_vl(hf_model, processed.prompt_token_ids, list(processed.images), vision,
+                                                max_tokens, stop_ids)
         final = None
         while engine.has_unfinished_requests():
             for out in engine.step():

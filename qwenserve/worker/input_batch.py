@@ -103,8 +103,8 @@ class InputBatch:
             seq = SequenceState(new.seq_id, list(new.token_ids), new.num_prompt_tokens, p, list(new.block_ids),
                                 new.num_computed_tokens, generator, new.lora_request, new.images)
             if self.mrope_merge is not None:
-                seq.prompt_mrope, seq.mrope_delta = mrope_positions(
-                    seq.num_prompt_tokens, [(image.offset, image.grid) for image in seq.images], self.mrope_merge)
+                images = [(image.offset, image.grid, image.time_interval) for image in seq.images]
+                seq.prompt_mrope, seq.mrope_delta = mrope_positions(seq.num_prompt_tokens, images, self.mrope_merge)
             self.seqs[new.seq_id] = seq
         for cached in scheduler_output.cached_seqs:
             seq = self.seqs[cached.seq_id]

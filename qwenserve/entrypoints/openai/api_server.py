@@ -82,7 +82,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: st
         logger.info("sampling defaults from generation_config (used when a request does not set them): %s",
                     engine.generation_defaults)
     serving_models = OpenAIServingModels(served_model_names, engine.max_model_len, engine, lora_modules,
-                                         vision=engine.supports_images)
+                                         vision=engine.vision is not None)
     serving_completion = OpenAIServingCompletion(engine, serving_models, server_metrics, max_n, log_requests)
     serving_chat = OpenAIServingChat(engine, serving_models, server_metrics, max_n, log_requests)
     serving_tokenization = OpenAIServingTokenization(engine.tokenizer, serving_models)

@@ -134,23 +134,26 @@ class MRotaryEmbedding(RotaryEmbedding):
         return picked, torch.arange(positions.shape[1], device=positions.device)
 
 
-def mrope_positions(num_tokens: int, images: list[tuple[int, tuple[int, int, int]]],
-                    spatial_merge_size: int) -> tuple[np.ndarray, int]:
+def mrope_positions(num_tokens: int, images: list[tuple], spatial_merge_size: int) -> tuple[np.ndarray, int]:
     """M-RoPE positions [3, num_tokens] of a prompt, as transformers' Qwen2-VL get_rope_index computes them, and
     the delta that later tokens add to their index (position = index + delta on all three axes).
-    images: (index of the image's first placeholder token, its patch grid (t, h, w)) in prompt order. Text
-    continues one past where the previous text or image left off; an image's tokens take (t, row, column) of the
-    merged grid, offset by that start, and the text after it starts at start + max(rows, columns)."""
+    images: (index of the image's first placeholder token, its patch grid (t, h, w)[, time interval]) in prompt
+    order; a video is an image of t frames. Text continues one past where the previous text or image left off; an
+    image's tokens take (frame, row, column) of the merged grid, offset by that start, the frame's position scaled
+    by the time interval (floored; Qwen2.5-VL spaces a video's frames by their time), and the text after it starts
+    at start + max(rows, columns). The delta is one past the largest position, less the prompt's length."""
     out = np.empty((3, num_tokens), dtype=np.int64)
     index = next_position = 0
-    for first, (t, h, w) in sorted(images):
+    for first, (t, h, w), *interval in sorted(images, key=lambda image: image[0]):
         text = first - index
         out[:, index:first] = np.arange(next_position, next_position + text)
         next_position += text
         h, w = h // spatial_merge_size, w // spatial_merge_size
-        grid = np.stack(np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")).reshape(3, -1)
+        # in float32, as transformers multiplies (a float32 tensor), so the floor falls the same way
+        frames = (np.arange(t, dtype=np.float32) * np.float32(interval[0] if interval else 1.0)).astype(np.int64)
+        grid = np.stack(np.meshgrid(frames, np.arange(h), np.arange(w), indexing="ij")).reshape(3, -1)
         out[:, first:first + t * h * w] = grid + next_position
         index = first + t * h * w
         next_position += max(h, w)
     out[:, index:] = np.arange(next_position, next_position + num_tokens - index)
-    return out, next_position + num_tokens - index - num_tokens
+    return out, int(out.max()) + 1 - num_tokens

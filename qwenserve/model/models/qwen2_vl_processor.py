@@ -8,6 +8,8 @@
   [patches, 3 * 2 * 14 * 14] and the grid (1, rows, columns) in patches;
 - in the prompt, each image is one <|image_pad|> (between <|vision_start|> and <|vision_end|>, as the chat template
   writes it) expanded to rows * columns / 4 placeholder tokens, which the tower's output replaces.
+A video (its frames) goes the same way, as transformers' Qwen2VLVideoProcessor does it: each pair of frames is one
+temporal patch, the grid (frames / 2, rows, columns), its placeholder <|video_pad|>.
 Bad input (undecodable data, a remote URL offline, too many images, placeholders that do not match the images) is a
 RequestError naming the problem."""
 from __future__ import annotations
@@ -29,6 +31,13 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 DEFAULT_MIN_PIXELS = 56 * 56
 DEFAULT_MAX_PIXELS = 28 * 28 * 1280  # transformers' default; published checkpoints set their own
 MAX_ASPECT_RATIO = 200
+# a video's frames: transformers' Qwen2VLVideoProcessor defaults (128 to 768 tokens a frame pair)
+VIDEO_MIN_PIXELS = 128 * 28 * 28
+VIDEO_MAX_PIXELS = 768 * 28 * 28
+# frames given as a list carry no time: they are taken as sampled at 2 per second (qwen-vl-utils' default), which
+# Qwen2.5-VL's temporal positions depend on
+VIDEO_FPS = 2.0
+MAX_VIDEO_FRAMES = 768
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
@@ -54,6 +63,7 @@ class ProcessedImage:
     grid: tuple[int, int, int]  # (t, rows, columns) in patches, as image_grid_thw
     num_tokens: int  # placeholder tokens in the prompt: patches / merge_size ** 2
     content_hash: bytes  # sha256 of the pixel values and grid: what the prefix cache and encoder cache key on
+    time_interval: float = 1.0  # M-RoPE temporal positions between frames (core/multimodal.py's ImageInput)
 
 
 class Qwen2VLProcessor:
@@ -87,27 +97,75 @@ class Qwen2VLProcessor:
         digest = hashlib.sha256(np.asarray(grid, dtype=np.int64).tobytes() + patches.tobytes()).digest()
         return ProcessedImage(patches, grid, patches.shape[0] // v.merge_unit, digest)
 
-    def expand_placeholders(self, ids: list[int], images: list[ProcessedImage]) -> tuple[list[int], list[int]]:
-        """The prompt with each image's <|image_pad|> expanded to its placeholder count (a run already of that
-        length is kept), and where each image's placeholders start."""
-        pad = self.vision.image_token_id
-        runs = _runs_of(ids, pad)
-        if len(runs) != len(images):
-            raise RequestError(f"the prompt has {len(runs)} image placeholders (<|image_pad|>) for {len(images)} "
-                               f"images", param="multi_modal_data")
-        out, offsets, index = [], [], 0
-        for (start, length), image in zip(runs, images):
-            if length not in (1, image.num_tokens):
-                raise RequestError(f"image {len(offsets) + 1}'s placeholder run has {length} tokens; it needs 1 or "
-                                   f"{image.num_tokens} (its size in tokens)", param="multi_modal_data")
+    def process_video(self, frames) -> ProcessedImage:
+        """A video as its frames (PIL images, data: URLs or bytes, all of one size; or a uint8 array [frames,
+        height, width, 3]) -> its pixel values, grid (t, rows, columns) and placeholder count, as transformers'
+        Qwen2VLVideoProcessor makes them: the frames resized together (bicubic with antialiasing, in torch, as it
+        does), the last repeated up to a multiple of the temporal patch, each pair of frames one temporal patch."""
+        import torch
+        import torch.nn.functional as F
+        v = self.vision
+        if isinstance(frames, np.ndarray):
+            if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
+                raise RequestError(f"a video array must be uint8 [frames, height, width, 3], got {frames.dtype} "
+                                   f"{list(frames.shape)}", param="video")
+            array = frames
+        else:
+            if not isinstance(frames, (list, tuple)) or not frames:
+                raise RequestError("a video must be a non-empty list of frames", param="video")
+            pils = [to_rgb(load_image(frame)) for frame in frames]
+            sizes = {pil.size for pil in pils}
+            if len(sizes) > 1:
+                raise RequestError(f"a video's frames must all have one size, got {sorted(sizes)}", param="video")
+            array = np.stack([np.asarray(pil) for pil in pils])
+        if len(array) > MAX_VIDEO_FRAMES:
+            raise RequestError(f"a video may have at most {MAX_VIDEO_FRAMES} frames, got {len(array)}",
+                               param="video")
+        factor = v.patch_size * v.spatial_merge_size
+        height, width = smart_resize(array.shape[1], array.shape[2], factor, VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS)
+        video = torch.from_numpy(np.ascontiguousarray(array)).permute(0, 3, 1, 2).float()  # [frames, c, h, w]
+        video = F.interpolate(video, size=(height, width), mode="bicubic", align_corners=False, antialias=True)
+        video = video.clamp_(0, 255).round_()  # back to uint8 values, as torchvision does
+        # as transformers' torch path: rescale and normalisation fused into one float32 step
+        mean = torch.tensor([m / self.rescale for m in self.mean.tolist()], dtype=torch.float32).view(1, 3, 1, 1)
+        std = torch.tensor([d / self.rescale for d in self.std.tolist()], dtype=torch.float32).view(1, 3, 1, 1)
+        video = ((video - mean) / std).numpy()
+        if pad := -len(video) % v.temporal_patch_size:
+            video = np.concatenate([video, np.repeat(video[-1:], pad, axis=0)])
+        patches, grid = _patchify_video(video, v.patch_size, v.spatial_merge_size, v.temporal_patch_size)
+        interval = 1.0 if v.tokens_per_second is None else \
+            v.tokens_per_second * v.temporal_patch_size / VIDEO_FPS
+        digest = hashlib.sha256(b"video" + np.asarray(grid, dtype=np.int64).tobytes() + patches.tobytes()).digest()
+        return ProcessedImage(patches, grid, patches.shape[0] // v.merge_unit, digest, interval)
+
+    def expand_placeholders(self, ids: list[int], images: list[ProcessedImage],
+                            videos: list[ProcessedImage] = ()) -> tuple[list[int], list[int], list[int]]:
+        """The prompt with each image's <|image_pad|> and each video's <|video_pad|> expanded to its placeholder
+        count (a run already of that length is kept), and where each image's and each video's placeholders
+        start. One pass over both, so each keeps its place whatever the other's expansion adds before it."""
+        v = self.vision
+        items = {v.image_token_id: ("image", list(images)), v.video_token_id: ("video", list(videos))}
+        runs = sorted((start, length, pad) for pad in items for start, length in token_runs(ids, pad))
+        for pad, (kind, given) in items.items():
+            found = sum(1 for run in runs if run[2] == pad)
+            if found != len(given):
+                raise RequestError(f"the prompt has {found} {kind} placeholders (<|{kind}_pad|>) for {len(given)} "
+                                   f"{kind}s", param="multi_modal_data")
+        out, index, offsets = [], 0, {pad: [] for pad in items}
+        for start, length, pad in runs:
+            kind, given = items[pad]
+            item = given[len(offsets[pad])]
+            if length not in (1, item.num_tokens):
+                raise RequestError(f"{kind} {len(offsets[pad]) + 1}'s placeholder run has {length} tokens; it needs "
+                                   f"1 or {item.num_tokens} (its size in tokens)", param="multi_modal_data")
             out += ids[index:start]
-            offsets.append(len(out))
-            out += [pad] * image.num_tokens
+            offsets[pad].append(len(out))
+            out += [pad] * item.num_tokens
             index = start + length
-        return out + ids[index:], offsets
+        return out + ids[index:], offsets[v.image_token_id], offsets[v.video_token_id]
 
 
-def _runs_of(ids: list[int], token: int) -> list[tuple[int, int]]:
+def token_runs(ids: list[int], token: int) -> list[tuple[int, int]]:
     """(start, length) of each run of token in ids."""
     runs, i = [], 0
     while i < len(ids):
@@ -131,6 +189,18 @@ def _patchify(pixels: np.ndarray, patch: int, merge: int, temporal: int) -> tupl
     blocks = blocks.transpose(1, 4, 2, 5, 0, 3, 6)  # block row, block col, row in block, col in block, c, y, x
     frames = np.broadcast_to(blocks[:, :, :, :, :, None], (*blocks.shape[:5], temporal, patch, patch))
     return np.ascontiguousarray(frames.reshape(rows * cols, c * temporal * patch * patch)), (1, rows, cols)
+
+
+def _patchify_video(video: np.ndarray, patch: int, merge: int, temporal: int
+                    ) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """[frames, channels, height, width] (frames a multiple of temporal) -> ([patches, channels * temporal * patch
+    * patch], (t, rows, columns)): as _patchify, with consecutive frames filling each patch's temporal slots."""
+    frames, c, height, width = video.shape
+    t, rows, cols = frames // temporal, height // patch, width // patch
+    blocks = video.reshape(t, temporal, c, rows // merge, merge, patch, cols // merge, merge, patch)
+    blocks = blocks.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)  # t, block row, block col, row, col, c, frame, y, x
+    return (np.ascontiguousarray(blocks).reshape(t * rows * cols, c * temporal * patch * patch),
+            (t, rows, cols))
 
 
 def load_image(source):
@@ -168,47 +238,3 @@ def to_rgb(image):
         image = image.convert("RGBA")
         return Image.alpha_composite(Image.new("RGBA", image.size, (255, 255, 255, 255)), image).convert("RGB")
     return image.convert("RGB")
-
-
-IMAGE_PART_TYPES = ("image_url", "image_pil", "image")
-
-
-def split_image_parts(messages: list[dict], placeholder: str | None) -> tuple[list[dict], list]:
-    """OpenAI-shaped chat messages whose content may be a list of parts ({"type": "text", "text": ...},
-    {"type": "image_url", "image_url": {"url": "data:..."}}, or {"type": "image_pil", "image_pil": <PIL image>})
-    -> messages with string content, each image part replaced by placeholder (the vision markers with one
-    <|image_pad|>, as Qwen2-VL's chat template writes it), and the images in order. placeholder None: the model is
-    text-only, and an image part is a RequestError."""
-    out, images = [], []
-    for m, message in enumerate(messages):
-        content = message.get("content")
-        if not isinstance(content, list):
-            out.append(message)
-            continue
-        text = []
-        for p, part in enumerate(content):
-            where = f"messages[{m}].content[{p}]"
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind == "text":
-                text.append(part.get("text", ""))
-            elif kind in IMAGE_PART_TYPES:
-                if placeholder is None:
-                    raise RequestError(f"{where} is an image, but this model is text-only", param=where)
-                image = part.get(kind)
-                if kind == "image_url":
-                    image = image.get("url") if isinstance(image, dict) else image
-                if image is None:
-                    raise RequestError(f"{where} ({kind}) holds no image", param=where)
-                images.append(image)
-                text.append(placeholder)
-            else:
-                raise RequestError(f"{where} has type {kind!r}; supported: text, {', '.join(IMAGE_PART_TYPES)}",
-                                   param=where)
-        out.append({**message, "content": "".join(text)})
-    return out, images
-
-
-def image_placeholder(tokenizer, vision: VisionConfig) -> str:
-    """<|vision_start|><|image_pad|><|vision_end|> in this tokenizer's spelling."""
-    return "".join(tokenizer.convert_ids_to_tokens([vision.vision_start_token_id, vision.image_token_id,
-                                                     vision.vision_end_token_id]))
