@@ -85,6 +85,7 @@ class StackedRows:
     gather: torch.Tensor
     real: torch.Tensor
     targets: torch.Tensor
+    positions: torch.Tensor  # each row's position in slots, -1 for the base model's, up to the last adapted row
 
     @classmethod
     def of(cls, spans: list[tuple[int, int, int]], slots: tuple[int, ...], device: torch.device) -> StackedRows:
@@ -98,5 +99,8 @@ class StackedRows:
             real += range(len(gather), len(gather) + len(rows))
             targets += rows
             gather += rows + [0] * (width - len(rows))
+        positions = [-1] * max(end for _, end, _ in spans)
+        for start, end, slot in spans:
+            positions[start:end] = [slots.index(slot)] * (end - start)
         as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
-        return cls(slots, spans, as_tensor(gather), as_tensor(real), as_tensor(targets))
+        return cls(slots, spans, as_tensor(gather), as_tensor(real), as_tensor(targets), as_tensor(positions))

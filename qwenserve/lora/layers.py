@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from qwenserve.kernels import cpu_ops_for
 from qwenserve.lora.batch import LoRABatch
 from qwenserve.lora.ops import Expand, LayerAdapter, StackedAdapters, add_lora
 from qwenserve.model.layers.linear import RowParallelLinear
@@ -21,6 +22,7 @@ class LoRALinear(nn.Module):
         # the slots stacked for the steps that run stacked: made at the first such step after the slots change
         self._stacked: StackedAdapters | None = None
         self._reduces = isinstance(base, RowParallelLinear)
+        self._ops = cpu_ops_for(torch.empty(0).device)  # the device the model is built on: its stacked kernel
 
     def set_slot(self, slot: int, adapter: LayerAdapter | None) -> None:
         self.slots[slot] = adapter
@@ -32,8 +34,9 @@ class LoRALinear(nn.Module):
             example = next(a.a_t for a in self.slots if a is not None) if any(self.slots) else None
             if example is None:
                 return  # no adapter in any slot touches this layer
-            self._stacked = StackedAdapters.of(self.slots, rows.slots, x.shape[1], y.shape[1], example.dtype,
-                                               example.device)
+            self._stacked = StackedAdapters.of(self.slots, rows.slots, x.shape[1], y.shape[1],
+                                               x.dtype if self._ops is not None else example.dtype, example.device,
+                                               self._ops)
         add_lora(y, x, lora, self.slots, self._stacked)
 
     def prepare(self, parts: dict, scaling: float, dtype: torch.dtype, device: torch.device) -> LayerAdapter | None:

@@ -1,5 +1,5 @@
 // The op entry points, one definition each in the op family's source file (norm.cpp, rotary.cpp,
-// activation.cpp, attention.cpp, prefill_attention.cpp, sampling.cpp, ggml/dispatch.cpp), declared here so
+// activation.cpp, attention.cpp, prefill_attention.cpp, sampling.cpp, lora.cpp, ggml/dispatch.cpp), declared here so
 // register.cpp can bind them to the schemas of the variant's torch.ops namespace in one place. Each checks its
 // arguments and dispatches on the dtype (float32, float64, bfloat16, float16; the ggml ops: float32, bfloat16, float16;
 // prefill_attention: bf16 only); the shapes each expects are documented at its definition.
@@ -26,6 +26,9 @@ void prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
 bool prefill_attention_supported(int64_t head_dim);
 // sampling.cpp
 at::Tensor argmax_rows(const at::Tensor& logits);
+// lora.cpp: the stacked LoRA products of a decode-sized step
+void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
+              const at::Tensor& row_slots);
 // ggml/dispatch.cpp (ggml types: Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14)
 at::Tensor ggml_dequantize(const at::Tensor& raw, int64_t ggml_type, int64_t cols, at::ScalarType dtype,
                            int64_t group);

@@ -24,6 +24,7 @@ QS_TORCH_LIBRARY(QS_OPS_NAMESPACE, m) {
   m.def("rotary_embedding(Tensor(a!) qkv, Tensor positions, Tensor cos_sin, int heads, int head_dim) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def("argmax_rows(Tensor logits) -> Tensor");
+  m.def("lora_add(Tensor(a!) y, Tensor x, Tensor a, Tensor b, Tensor row_slots) -> ()");
   m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor context_lens, float scale, Tensor? k_scales=None, Tensor? v_scales=None) -> ()");
   m.def("prefill_attention(Tensor(a!) out, Tensor q, Tensor k, Tensor v, float scale) -> ()");
@@ -48,6 +49,7 @@ QS_TORCH_LIBRARY_IMPL(QS_OPS_NAMESPACE, CPU, m) {
   m.impl("silu_and_mul", &qwenserve::cpu::silu_and_mul);
   m.impl("paged_decode_attention", &qwenserve::cpu::paged_decode_attention);
   m.impl("argmax_rows", &qwenserve::cpu::argmax_rows);
+  m.impl("lora_add", &qwenserve::cpu::lora_add);
   m.impl("prefill_attention", &qwenserve::cpu::prefill_attention);
   m.impl("ggml_dequantize", &qwenserve::cpu::ggml_dequantize);
   m.impl("ggml_mm", &qwenserve::cpu::ggml_mm);
