@@ -148,3 +148,30 @@ def test_bench_allreduce_times_both_paths(capsys):
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["world_size"] == 2 and len(result["sizes"]) == 8
     assert all(row["gloo_us"] > 0 and row["shm_us"] > 0 for row in result["sizes"])
+
+
+def test_code_edit_tasks_are_python_with_an_edit_to_make():
+    from qwenserve.benchmarks.code_edit import code_edit_messages, code_edit_tasks
+    tasks = code_edit_tasks()
+    assert len(tasks) >= 4
+    for instruction, code in tasks:
+        assert instruction and not instruction.startswith("#")
+        compile(code, instruction, "exec")  # whole, valid Python
+        assert code.count("\n") >= 40
+        assert code in code_edit_messages(instruction, code)[0]["content"]
+
+
+@pytest.mark.slow
+def test_bench_latency_code_edit_reports_the_speculation_counters(tmp_path, capsys):
+    path = save_hf_dir(tiny_hf_model(seed=64, max_position_embeddings=4096), str(tmp_path / "m"))
+    argv = ["bench", "latency", "--workload", "code-edit", "--output-len", "12", "--model", path, "--dtype",
+            "float32", "--kv-cache-memory", "8MiB", "--json", "--speculative-config",
+            '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}']
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["tasks"] == 4 and result["prompt_tokens"] > 4 * 1000  # byte-level tokens of the code
+    assert 4 <= result["output_tokens"] <= 4 * 12 and result["output_tokens_per_s"] > 0
+    assert result["speculative_method"] == "ngram"
+    assert result["spec_proposed"] >= result["spec_accepted"] >= 0 and result["spec_verifications"] > 0
+    assert main(argv + ["--input-len", "8"]) == 2
+    assert "bench latency --workload code-edit takes no --input-len" in capsys.readouterr().err
