@@ -1,5 +1,5 @@
-"""`qwenserve bench ...`: measurements, never tests (throughput, latency, prefix, ppl, kernels, allreduce, load,
-serve, structured), and the shaped models they time (shaped-gguf)."""
+"""`qwenserve bench ...`: measurements, never tests (throughput, latency, spec-sweep, prefix, ppl, kernels,
+allreduce, load, serve, structured), and the shaped models they time (shaped-gguf)."""
 from __future__ import annotations
 
 import argparse
@@ -42,6 +42,19 @@ def register(sub) -> None:
                      help="output tokens (random: exactly, default 128; code-edit: at most, default 512)")
     lat.add_argument("--baseline", choices=["hf"], default=None)
     lat.add_argument("--json", action="store_true")
+
+    sweep = bench_sub.add_parser("spec-sweep", help="output tokens/s with and without --speculative-config at each "
+                                                    "batch size, and their ratio (to set disable_by_batch_size)")
+    add_engine_args(sweep)
+    sweep.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1, 2, 4, 8, 16, 32],
+                       help="requests at once, one run of each engine per size (default: 1 2 4 8 16 32)")
+    sweep.add_argument("--workload", choices=["random", "code-edit"], default="random",
+                       help="random: the T shape, --input-len random tokens each; code-edit: the shipped code-editing "
+                            "tasks, cycled (default: %(default)s)")
+    sweep.add_argument("--input-len", type=positive_int, default=128, help="random: prompt tokens (default: 128)")
+    sweep.add_argument("--output-len", type=positive_int, default=64,
+                       help="output tokens of each request, exactly (default: 64)")
+    sweep.add_argument("--json", action="store_true")
 
     pre = bench_sub.add_parser("prefix", help="TTFT with a cached vs an uncached shared prefix")
     add_engine_args(pre)
@@ -141,6 +154,10 @@ def run(args: argparse.Namespace) -> int:
         from qwenserve.benchmarks.latency import bench_latency
         result = bench_latency(engine_config_from_args(args), args.input_len or 128, args.output_len or 128,
                                args.baseline)
+    elif args.bench_command == "spec-sweep":
+        from qwenserve.benchmarks.spec_sweep import bench_spec_sweep
+        result = bench_spec_sweep(engine_config_from_args(args), args.batch_sizes, args.workload, args.input_len,
+                                  args.output_len)
     elif args.bench_command == "prefix":
         from qwenserve.benchmarks.prefix import bench_prefix
         result = bench_prefix(engine_config_from_args(args), args.prefix_len, args.num_prompts)
