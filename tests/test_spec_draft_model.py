@@ -310,3 +310,20 @@ def test_constrained_requests_beside_speculating_ones(tiny, plain, method):
         assert got[i].request_id not in seen
     assert any(sum(a for _, a in v) for v in seen.values())
     assert_no_leak(llm)
+
+
+def test_int8_kv_cache_holds_the_draft_too(tiny):
+    """With kv_cache_dtype int8 the draft's layers are int8 codes in the same blocks: a block holds both models'
+    bytes, and greedy output is the int8 engine's own."""
+    plain8 = LLM(tiny, dtype="float32", kv_cache_memory="4MiB", kv_cache_dtype="int8")
+    llm = LLM(tiny, dtype="float32", kv_cache_memory="4MiB", kv_cache_dtype="int8",
+              speculative_config=draft_config(tiny))
+    assert llm.engine.kv.num_blocks * 2 == plain8.engine.kv.num_blocks
+    prompts = prompts_of(9)
+    before = llm.engine.stats()
+    assert token_ids(generate(llm, prompts, max_tokens=32, **GREEDY)) == \
+        token_ids(generate(plain8, prompts, max_tokens=32, **GREEDY))
+    stats = llm.engine.stats()
+    drafts = stats["spec_num_draft_tokens"] - before["spec_num_draft_tokens"]
+    assert stats["spec_num_accepted_tokens"] - before["spec_num_accepted_tokens"] > 0.9 * drafts > 0
+    assert_no_leak(llm)
