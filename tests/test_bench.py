@@ -174,3 +174,51 @@ def test_bench_lora_runs_both_and_writes_adapters_peft_loads(tmp_path, capsys):
     assert len(state) == len(written) == 2 * 7 * hf.config.num_hidden_layers
     for name, tensor in written.items():
         torch.testing.assert_close(state[name.replace(".weight", ".default.weight")], tensor.float())
+
+
+def test_code_edit_tasks_are_python_with_an_edit_to_make():
+    from qwenserve.benchmarks.code_edit import code_edit_messages, code_edit_tasks
+    tasks = code_edit_tasks()
+    assert len(tasks) >= 4
+    for instruction, code in tasks:
+        assert instruction and not instruction.startswith("#")
+        compile(code, instruction, "exec")  # whole, valid Python
+        assert code.count("\n") >= 40
+        assert code in code_edit_messages(instruction, code)[0]["content"]
+
+
+@pytest.mark.slow
+def test_bench_latency_code_edit_reports_the_speculation_counters(tmp_path, capsys):
+    path = save_hf_dir(tiny_hf_model(seed=64, max_position_embeddings=4096), str(tmp_path / "m"))
+    argv = ["bench", "latency", "--workload", "code-edit", "--output-len", "12", "--model", path, "--dtype",
+            "float32", "--kv-cache-memory", "8MiB", "--json", "--speculative-config",
+            '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}']
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["tasks"] == 4 and result["prompt_tokens"] > 4 * 1000  # byte-level tokens of the code
+    assert 4 <= result["output_tokens"] <= 4 * 12 and result["output_tokens_per_s"] > 0
+    assert result["speculative_method"] == "ngram"
+    assert result["spec_proposed"] >= result["spec_accepted"] >= 0 and result["spec_verifications"] > 0
+    assert main(argv + ["--input-len", "8"]) == 2
+    assert "bench latency --workload code-edit takes no --input-len" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_bench_spec_sweep_prints_the_ratio_per_batch_size(tmp_path, capsys):
+    path = save_hf_dir(tiny_hf_model(seed=66, max_position_embeddings=4096), str(tmp_path / "m"))
+    argv = ["bench", "spec-sweep", "--batch-sizes", "1", "3", "--output-len", "6", "--input-len", "16", "--model",
+            path, "--dtype", "float32", "--kv-cache-memory", "8MiB", "--json"]
+    assert main(argv) == 2
+    assert "give --speculative-config" in capsys.readouterr().err
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}'
+    for workload in ("random", "code-edit"):
+        assert main(argv + ["--speculative-config", spec, "--workload", workload]) == 0
+        out = capsys.readouterr().out.strip().splitlines()
+        result = json.loads(out[-1])
+        assert result["workload"] == workload and result["method"] == "ngram"
+        for b in (1, 3):
+            assert result[f"b{b}_off_tokens_per_s"] > 0 and result[f"b{b}_on_tokens_per_s"] > 0
+            assert result[f"b{b}_ratio"] == pytest.approx(
+                result[f"b{b}_on_tokens_per_s"] / result[f"b{b}_off_tokens_per_s"], rel=0.01)
+            assert 0 <= result[f"b{b}_acceptance_rate"] <= 1
+        assert out[0].split() == ["batch", "off", "tok/s", "on", "tok/s", "ratio", "acceptance"]

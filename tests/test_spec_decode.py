@@ -1,7 +1,8 @@
-"""Speculative decoding (n-gram prompt lookup): its settings, the proposer, the rejection sampler, the scheduler's
-policy, and the engine on tiny random models (float32), where greedy output must equal the output without
-speculation token for token, seeded sampling too (each verified position draws as the plain sampler would), and
-unseeded sampling must keep the model's distribution (chi-square against the exact one)."""
+"""Speculative decoding (n-gram prompt lookup; the draft model's own cases are in test_spec_draft_model.py): its
+settings, the proposer, the rejection sampler, the scheduler's policy, and the engine on tiny random models
+(float32), where greedy output must equal the output without speculation token for token, seeded sampling too
+(each verified position draws as the plain sampler would), and unseeded sampling must keep the model's
+distribution (chi-square against the exact one)."""
 import json
 import math
 
@@ -56,7 +57,7 @@ def test_cli_flag():
 
 @pytest.mark.parametrize("value, pattern", [
     ({"method": "medusa", "num_speculative_tokens": 2}, "method 'medusa' is not one of ngram, draft_model"),
-    ({"method": "draft_model", "model": "/x", "num_speculative_tokens": 2}, "'draft_model' is not supported yet"),
+    ({"method": "ngram", "model": "/x", "num_speculative_tokens": 2}, "model '/x' is for method 'draft_model'"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
     ({"method": "ngram"}, "num_speculative_tokens is required"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
@@ -434,13 +435,18 @@ def test_stops_cut_accepted_tokens(plain, spec):
 
 
 @pytest.mark.slow
-def test_sampled_distribution_is_the_models(tiny):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_sampled_distribution_is_the_models(tiny, method):
     """Unseeded sampling (top-k 3, so that three tokens cover each position) over many copies of one prompt that
-    ends inside the model's own greedy loop (so drafts are often, not always, accepted): the joint distribution of the first three tokens (27 cells: the second and third come out of
-    verification) matches the exact one computed from HF's logits, by chi-square; so does the marginal of the
-    second token. 10000 samples: a shift of 2% of the mass between two likely cells fails it."""
+    ends inside the model's own greedy loop (so drafts are often, not always, accepted): the joint distribution of
+    the first three tokens (27 cells: the second and third come out of verification) matches the exact one
+    computed from HF's logits, by chi-square; so does the marginal of the second token. 10000 samples: a shift of
+    2% of the mass between two likely cells fails it. The draft model is the target itself, proposing its greedy
+    tokens."""
     hf, path = tiny
-    llm = LLM(path, dtype="float32", kv_cache_memory="8MiB", speculative_config=NGRAM)
+    spec = NGRAM if method == "ngram" else {"method": "draft_model", "model": path, "num_speculative_tokens": 3,
+                                            "disable_by_batch_size": None, "min_acceptance_rate": 0}
+    llm = LLM(path, dtype="float32", kv_cache_memory="8MiB", speculative_config=spec)
     seen = record_verifications(llm)
     prompt = repeating_prompts(seed=1)[1]
     prompt += token_ids(generate(llm, [prompt], max_tokens=16, **GREEDY))[0]

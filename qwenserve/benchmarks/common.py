@@ -103,6 +103,18 @@ def engine_run(engine, prompts: list[list[int]], outputs: list[int]) -> dict[str
     return {"elapsed_s": time.perf_counter() - start, "ttft_s": first}
 
 
+def speculation_counters(before: dict, after: dict) -> dict:
+    """Speculative decoding between two engine.stats(): drafts proposed (and verified), drafts accepted, the
+    acceptance rate, and the mean accepted length (tokens per verification, the target's own one included, as
+    vLLM reports it); zeros without speculation."""
+    proposed = after["spec_num_draft_tokens"] - before["spec_num_draft_tokens"]
+    accepted = after["spec_num_accepted_tokens"] - before["spec_num_accepted_tokens"]
+    verifications = after["spec_num_drafts"] - before["spec_num_drafts"]
+    return {"spec_proposed": proposed, "spec_accepted": accepted, "spec_verifications": verifications,
+            "spec_acceptance_rate": round(accepted / proposed, 3) if proposed else 0.0,
+            "spec_mean_accepted_length": round(1 + accepted / verifications, 3) if verifications else 0.0}
+
+
 def print_result(title: str, result: dict, as_json: bool) -> None:
     print(title)
     for key, value in result.items():

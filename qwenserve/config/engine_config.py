@@ -323,19 +323,30 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = setting(
         None, "speculative decoding, as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
               "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5} proposes up to 4 tokens a step by finding the "
-              "sequence's last n-gram earlier in it; each is verified exactly (greedy output unchanged, sampling "
-              "keeps the model's distribution). Optional keys: disable_by_batch_size (no proposals while more "
-              "sequences run; default 8), min_acceptance_rate (a sequence whose drafts are accepted less often "
-              "pauses proposing; default 0.2) (default: off)", type=str)
+              "sequence's last n-gram earlier in it, {\"method\": \"draft_model\", \"model\": PATH, "
+              "\"num_speculative_tokens\": 4} by running a small model of the same tokenizer; each is verified "
+              "exactly (greedy output unchanged, sampling keeps the model's distribution). Optional keys: "
+              "disable_by_batch_size (no proposals while more sequences run; default 8), min_acceptance_rate (a "
+              "sequence whose drafts are accepted less often pauses proposing; default 0.2) (default: off)",
+        type=str)
     # not a setting: what `load` resolves to, filled in once by the engine before its workers start (they read
     # the checkpoint, dtype, context length and quantization from here)
     resolved_model: ResolvedModel | None = None
+    # likewise the draft checkpoint of speculative_config's method draft_model (None for any other method)
+    resolved_draft_model: ResolvedModel | None = None
 
     SECTIONS = {"load": LoadConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig,
                 "lora": LoRAConfig, "multimodal": MultiModalConfig}
 
     def __post_init__(self):
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        spec, parallel = self.speculative_config, self.parallel
+        if spec is not None and spec.method == "draft_model" and (parallel.tensor_parallel_size > 1
+                                                                  or parallel.pipeline_parallel_size > 1):
+            # the draft model runs whole beside the sampler, in the one worker that samples
+            raise ConfigError(f"speculative_config: method 'draft_model' runs in one worker: tensor_parallel_size "
+                              f"({parallel.tensor_parallel_size}) and pipeline_parallel_size "
+                              f"({parallel.pipeline_parallel_size}) must be 1")
         if self.lora.enable_lora and self.parallel.data_parallel_size > 1:
             # the router would have to check adapters and keep each adapter's prefixes apart; not built yet
             raise ConfigError(f"enable_lora runs without data parallelism for now: data_parallel_size is "

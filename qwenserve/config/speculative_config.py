@@ -1,6 +1,7 @@
 """Speculative decoding settings, as vLLM takes them: `--speculative-config '{"method": "ngram",
-"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}'` or
-`LLM(speculative_config={...})`. One validated object; a bad value is a ConfigError naming its key."""
+"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}'`, or `{"method": "draft_model",
+"model": PATH, "num_speculative_tokens": 4}`, or `LLM(speculative_config={...})`. One validated object; a bad
+value is a ConfigError naming its key."""
 from __future__ import annotations
 
 import json
@@ -16,9 +17,9 @@ DEFAULT_PROMPT_LOOKUP = 5  # vLLM's n-gram length when neither bound is given
 class SpeculativeConfig:
     method: str
     num_speculative_tokens: int  # draft tokens proposed (and verified) per sequence and step, at most
-    prompt_lookup_min: int | None = None  # ngram: the shortest suffix n-gram that may match
-    prompt_lookup_max: int | None = None  # ngram: the longest suffix n-gram tried first
-    model: str | None = None  # draft_model: the draft checkpoint
+    prompt_lookup_min: int | None = None  # ngram: the shortest suffix n-gram that may match (draft_model: None)
+    prompt_lookup_max: int | None = None  # ngram: the longest suffix n-gram tried first (draft_model: None)
+    model: str | None = None  # draft_model: the draft checkpoint (HF directory or .gguf), same tokenizer as the target
     # No proposals for any sequence while more than this many are running: past some batch size a step's tokens
     # stop being nearly free (decode stops being bound by reading weights), and verifying drafts that are
     # rejected only costs. 8 is a guess for a 2-core CPU with k about 4; to be measured with `bench`. None: never.
@@ -30,9 +31,27 @@ class SpeculativeConfig:
     def __post_init__(self):
         if self.method not in METHODS:
             raise ConfigError(f"speculative_config: method {self.method!r} is not one of {', '.join(METHODS)}")
-        if self.method == "draft_model":
-            raise ConfigError("speculative_config: method 'draft_model' is not supported yet (only 'ngram' is)")
         _check_int(self, "num_speculative_tokens", 1)
+        if self.method == "draft_model":
+            self._check_draft_model()
+        else:
+            self._check_ngram()
+        if self.disable_by_batch_size is not None:
+            _check_int(self, "disable_by_batch_size", 1)
+        rate = self.min_acceptance_rate
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 1:
+            raise ConfigError(f"speculative_config: min_acceptance_rate must be in [0, 1], got {rate!r}")
+
+    def _check_draft_model(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ConfigError(f"speculative_config: method 'draft_model' needs model (the draft checkpoint: an HF "
+                              f"directory or a .gguf file), got {self.model!r}")
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            if getattr(self, name) is not None:
+                raise ConfigError(f"speculative_config: {name} is for method 'ngram'; method 'draft_model' takes "
+                                  f"none")
+
+    def _check_ngram(self) -> None:
         if self.model is not None:
             raise ConfigError(f"speculative_config: model {self.model!r} is for method 'draft_model'; method "
                               f"{self.method!r} takes none")
@@ -46,11 +65,6 @@ class SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ConfigError(f"speculative_config: prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
                               f"prompt_lookup_max ({self.prompt_lookup_max})")
-        if self.disable_by_batch_size is not None:
-            _check_int(self, "disable_by_batch_size", 1)
-        rate = self.min_acceptance_rate
-        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 1:
-            raise ConfigError(f"speculative_config: min_acceptance_rate must be in [0, 1], got {rate!r}")
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:

@@ -15,8 +15,9 @@ and each batch takes about an equal share of the sequences, so every stage has w
 
 With speculative decoding (core/speculation.py) a decoding sequence also computes the drafts the worker proposed
 for it after its last step (their cache slots allocated like its own token's); it advances by the drafts accepted
-only, so a rejected draft's slot is written again by the next step. Short of blocks, drafts go before anyone is
-preempted for them.
+only, so a rejected draft's slot is written again by the next step. With a draft model, a sequence asked for
+proposals also gets k lookahead slots past its step's tokens, where the draft writes its proposals' K/V. Short of
+blocks, drafts and lookahead slots (and with them that step's proposals) go before anyone is preempted for them.
 """
 from __future__ import annotations
 
@@ -79,11 +80,12 @@ class Scheduler:
                 continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             drafts = self.speculation.drafts_to_verify(seq, budget) if self._speculating else []
+            lookahead, may_propose = self._lookahead(seq, n), True
             scheduled = True
-            while not self.kv.allocate(seq, n + len(drafts)):
+            while not self.kv.allocate(seq, n + len(drafts) + lookahead):
                 memory_tight = True
-                if drafts:  # no one is preempted for drafts
-                    drafts = []
+                if drafts or lookahead:  # no one is preempted for drafts, nor for the slots of proposals
+                    drafts, lookahead, may_propose = [], 0, not lookahead
                     continue
                 victim = self._preemption_victim(i)
                 if victim is None:  # only newer sequences could give way, and they are in flight: wait for them
@@ -96,7 +98,7 @@ class Scheduler:
                     scheduled = False
                     break
             if scheduled:
-                self._add_to_batch(out, seq, n, drafts)
+                self._add_to_batch(out, seq, n, drafts, may_propose)
                 budget -= n + len(drafts)
                 seats -= 1
                 i += 1
@@ -111,7 +113,10 @@ class Scheduler:
                 continue
             cached = self.kv.find_cached_prefix(seq)
             n = min(seq.num_tokens - len(cached) * self.kv.block_size, budget)
-            if not self.kv.allocate(seq, n, cached):
+            lookahead = self._lookahead(seq, n, len(cached) * self.kv.block_size)
+            may_propose = not lookahead or self.kv.allocate(seq, n + lookahead, cached)
+            # short of the lookahead: admitted without proposals rather than not at all
+            if not (lookahead and may_propose) and not self.kv.allocate(seq, n, cached):
                 break
             if seq.num_preemptions == 0:
                 self.kv.record_query(seq.num_prompt_tokens)
@@ -120,7 +125,7 @@ class Scheduler:
             self.running.append(seq)
             if seq.lora_request is not None:
                 adapters.add(seq.lora_int_id)
-            self._add_to_batch(out, seq, n)
+            self._add_to_batch(out, seq, n, may_propose=may_propose)
             budget -= n
             seats -= 1
         self.waiting.extendleft(reversed(passed_over))
@@ -150,7 +155,17 @@ class Scheduler:
                 return seq
         return None if newer else self.running[i]
 
-    def _add_to_batch(self, out: SchedulerOutput, seq: Sequence, n: int, drafts: list[int] = ()) -> None:
+    def _lookahead(self, seq: Sequence, n: int, num_computed: int | None = None) -> int:
+        """Slots past its n new tokens that seq takes this step for its proposals (a draft model's K/V): some only
+        when it speculates and takes a token this step. num_computed: where its new tokens start (prefix hits)."""
+        computed = seq.num_computed_tokens if num_computed is None else num_computed
+        if not self._speculating or computed + n != seq.num_tokens:
+            return 0
+        return self.speculation.lookahead(seq)
+
+    def _add_to_batch(self, out: SchedulerOutput, seq: Sequence, n: int, drafts: list[int] = (),
+                      may_propose: bool = True) -> None:
+        """may_propose: False when seq's lookahead slots did not fit, so it makes no proposals this step."""
         sent = self._blocks_sent.get(seq.seq_id)
         if sent is None:
             out.new_seqs.append(NewSequenceData(seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens, seq.params,
@@ -166,7 +181,7 @@ class Scheduler:
         out.num_scheduled_tokens[seq.seq_id] = n + len(drafts)
         if drafts:
             out.spec_token_ids[seq.seq_id] = list(drafts)
-        if self._speculating and seq.num_computed_tokens + n == seq.num_tokens:  # it takes a token this step
+        if may_propose and self._speculating and seq.num_computed_tokens + n == seq.num_tokens:  # takes a token
             num_to_propose = self.speculation.num_to_propose(seq)
             if num_to_propose:
                 out.num_draft_tokens_to_propose[seq.seq_id] = num_to_propose

@@ -32,8 +32,12 @@ class SpeculationStats:
 
 class Speculation:
     def __init__(self, num_speculative_tokens: int, max_model_len: int, disable_by_batch_size: int | None = None,
-                 min_acceptance_rate: float = 0.0):
+                 min_acceptance_rate: float = 0.0, lookahead_slots: int = 0):
+        """lookahead_slots: cache slots past the step's own tokens that a proposing sequence gets with the step: a
+        draft model writes its proposals' K/V there (up to k past the target's new token); n-gram proposals
+        need none."""
         self.k = num_speculative_tokens
+        self.lookahead_slots = lookahead_slots
         self.max_model_len = max_model_len
         self.disable_by_batch_size = disable_by_batch_size
         self.min_acceptance_rate = min_acceptance_rate
@@ -41,6 +45,13 @@ class Speculation:
 
     def batch_allows(self, num_running: int) -> bool:
         return self.disable_by_batch_size is None or num_running <= self.disable_by_batch_size
+
+    def lookahead(self, seq: Sequence) -> int:
+        """The slots past this step's tokens that seq needs, taking a token this step, for the proposals it would
+        make (num_to_propose, without counting down its pause)."""
+        if seq.params.structured_outputs is not None or seq.spec_pause:
+            return 0
+        return self.lookahead_slots
 
     def num_to_propose(self, seq: Sequence) -> int:
         """Drafts the worker proposes for seq once it takes its next token (0: none); called each step seq takes

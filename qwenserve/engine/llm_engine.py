@@ -27,7 +27,7 @@ from qwenserve.executor.uniproc_executor import UniProcExecutor
 from qwenserve.lora.peft import LoRAAdapterError
 from qwenserve.lora.registry import AdapterRegistry
 from qwenserve.lora.request import LoRARequest
-from qwenserve.model.loader.resolve import load_tokenizer, resolve_model
+from qwenserve.model.loader.resolve import load_tokenizer, resolve_draft_model, resolve_model
 from qwenserve.model.models.qwen2_vl_processor import Qwen2VLProcessor
 from qwenserve.sample.grammar import GrammarCompiler
 from qwenserve.sample.sampling_params import SamplingParams
@@ -64,11 +64,16 @@ class LLMEngine:
         config already carries it (resolved_model), and the workers receive it inside self.config."""
         if config.resolved_model is None:
             config = dataclasses.replace(config, resolved_model=resolve_model(config.load))
+        resolved = config.resolved_model
+        self.tokenizer = load_tokenizer(resolved)
+        spec = config.speculative_config
+        if spec is not None and spec.method == "draft_model" and config.resolved_draft_model is None:
+            config = dataclasses.replace(config, resolved_draft_model=resolve_draft_model(
+                config.load, spec.model, resolved, self.tokenizer))
         self.config = config
-        self.resolved_model = resolved = config.resolved_model
+        self.resolved_model = resolved
         self.model_id = resolved.model_id
         self.max_model_len = resolved.max_model_len
-        self.tokenizer = load_tokenizer(resolved)
         generation = resolved.generation_config
         # sampling defaults from the checkpoint, for requests that do not set them (the server applies them)
         self.generation_defaults = {k: generation[k] for k in GENERATION_DEFAULT_KEYS if generation.get(k) is not None}
@@ -83,9 +88,10 @@ class LLMEngine:
                     self.weights_bytes, self.weights_bytes / GiB, self.kv.num_blocks, self.kv.reserved_bytes,
                     self.kv.reserved_bytes / GiB)
         lora = config.lora
-        spec = config.speculative_config
-        speculation = None if spec is None else Speculation(spec.num_speculative_tokens, self.max_model_len,
-                                                            spec.disable_by_batch_size, spec.min_acceptance_rate)
+        # a draft model writes its proposals' K/V ahead of the sequence: their slots are allocated with the step
+        speculation = None if spec is None else Speculation(
+            spec.num_speculative_tokens, self.max_model_len, spec.disable_by_batch_size, spec.min_acceptance_rate,
+            lookahead_slots=spec.num_speculative_tokens if spec.method == "draft_model" else 0)
         self.scheduler = Scheduler(self.kv, config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
                                    self.executor.max_concurrent_batches, config.scheduler.pipelined_step_tokens,
                                    lora.max_loras if lora.enable_lora else None, speculation)

@@ -14,6 +14,11 @@ class NgramProposer:
         self.min_n = min_n
         self.max_n = max_n
 
+    def propose_batch(self, requests: list[tuple]) -> list[list[int]]:
+        """(sequence state, its tokens, how many proposals) each -> the proposals of each (the proposer interface
+        the model runner calls; draft_model.py's shares it)."""
+        return [self.propose(tokens, num) for _, tokens, num in requests]
+
     def propose(self, token_ids: list[int], num_tokens: int) -> list[int]:
         """Up to num_tokens guesses of what follows token_ids; [] when its last min_n tokens occur nowhere
         earlier. The longest matching suffix (up to max_n) wins, and of equally long ones the most recent: a

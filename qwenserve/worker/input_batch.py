@@ -36,6 +36,10 @@ class SequenceState:
     images: tuple[ImageInput, ...] = ()
     prompt_mrope: np.ndarray | None = None  # [3, prompt tokens] M-RoPE positions, when the model uses them
     mrope_delta: int = 0  # what a token past the prompt adds to its index
+    # speculative decoding with a draft model (spec_decode/draft_model.py): positions 0.. of this many hold the
+    # draft's K/V of its tokens, and the proposals whose K/V the draft wrote after them
+    draft_num_computed: int = 0
+    draft_proposal: list[int] = field(default_factory=list)
 
     def mrope(self, start: int, end: int) -> np.ndarray:
         """[3, end - start] M-RoPE positions of tokens start..end-1."""
@@ -111,6 +115,7 @@ class InputBatch:
             seq.token_ids.extend(cached.new_token_ids)
             if cached.resumed_from_preemption:
                 seq.block_table = list(cached.new_block_ids)
+                seq.draft_num_computed, seq.draft_proposal = 0, []  # the draft's K/V went with the blocks
             else:
                 seq.block_table.extend(cached.new_block_ids)
             seq.num_computed_tokens = cached.num_computed_tokens

@@ -21,6 +21,7 @@ from qwenserve.model.layers.attention import AttentionMetadata, PagedKVCache, Pr
 from qwenserve.sample.logprobs import top_logprobs
 from qwenserve.sample.rejection_sampler import RejectionSampler, VerifiedTokens
 from qwenserve.sample.sampler import Sampler
+from qwenserve.spec_decode.draft_model import DraftModelProposer
 from qwenserve.spec_decode.ngram_proposer import NgramProposer
 from qwenserve.worker.encoder_cache import EncoderCache
 from qwenserve.worker.input_batch import ImageRows, InputBatch, ModelInputs, PromptChunk
@@ -46,7 +47,8 @@ def full_logits(model: CausalLM, token_ids: list[int]) -> torch.Tensor:
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_cache: PagedKVCache, device: torch.device | str = "cpu",
                  record_logits: bool = False, lora_manager: LoRAManager | None = None,
-                 encoder_cache_bytes: int = DEFAULT_ENCODER_CACHE_BYTES, proposer: NgramProposer | None = None):
+                 encoder_cache_bytes: int = DEFAULT_ENCODER_CACHE_BYTES,
+                 proposer: NgramProposer | DraftModelProposer | None = None):
         """lora_manager: the model's adapters (its projections already wrapped), with enable_lora. proposer: drafts
         for speculative decoding; None: off."""
         self.model = model
@@ -93,6 +95,7 @@ class ModelRunner:
             taken = self._sample(logits, inputs, scheduler_output.grammar_bitmask)
             if self.record_logits:
                 out.logits = []
+            to_propose = []  # (sequence, its tokens with this step's, how many drafts)
             for seq, tokens, logprobs, rows in zip(inputs.sampling_seqs, taken.token_ids, taken.logprobs, taken.rows):
                 out.seq_ids += [seq.seq_id] * len(tokens)
                 out.sampled_token_ids += tokens
@@ -101,7 +104,9 @@ class ModelRunner:
                     out.logits += [logits[row].float() for row in rows]
                 num_drafts = scheduler_output.num_draft_tokens_to_propose.get(seq.seq_id)
                 if num_drafts and self.proposer is not None:
-                    drafts = self.proposer.propose(seq.token_ids + tokens, num_drafts)
+                    to_propose.append((seq, seq.token_ids + tokens, num_drafts))
+            if to_propose:  # one call for the batch: a draft model runs it as one batch
+                for (seq, _, _), drafts in zip(to_propose, self.proposer.propose_batch(to_propose)):
                     if drafts:
                         out.draft_token_ids[seq.seq_id] = drafts
         for chunk in inputs.prompt_chunks:

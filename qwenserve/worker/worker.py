@@ -16,8 +16,9 @@ from qwenserve.core.step import ModelRunnerOutput, SchedulerOutput
 from qwenserve.distributed.groups import init_model_parallel
 from qwenserve.distributed.pipeline import PipelineParallel
 from qwenserve.distributed.tensor_parallel import TensorParallel
-from qwenserve.model.layers.attention import PagedKVCache
+from qwenserve.model.layers.attention import PagedKVCache, decode_kernel_available
 from qwenserve.model.loader.model_loader import load_model
+from qwenserve.spec_decode.draft_model import DraftModelProposer
 from qwenserve.spec_decode.ngram_proposer import NgramProposer
 from qwenserve.worker.cpu_tuning import keep_large_allocations_in_heap
 from qwenserve.worker.memory import KVCacheFit, kv_cache_budget, model_weights_bytes
@@ -48,6 +49,9 @@ class Worker:
         # the layers choose their implementation (and the kernels' variant) when built
         with use_cpu_kernels(config.load.cpu_kernels, config.load.cpu_isa, config.load.enforce_eager):
             self.model = load_model(resolved, self.device, tp, pp)
+            # speculative decoding's draft model (the engine allows it only in a lone worker), whole
+            self.draft_model = (load_model(config.resolved_draft_model, self.device)
+                                if config.resolved_draft_model is not None else None)
         self.max_model_len = resolved.max_model_len
         # with LoRA on, every projection an adapter may target is wrapped now, before any adapter is loaded
         self.lora_manager = (LoRAManager(self.model, resolved.config, config.lora) if config.lora.enable_lora
@@ -55,7 +59,13 @@ class Worker:
         spec = self.model.kv_cache_spec()
         self._kv_shape = (spec.num_layers, config.cache.block_size, spec.num_kv_heads, spec.head_dim)
         self._kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype) or spec.dtype
+        self._draft_kv = None  # the draft's (shape, dtype) per block, beside the target's under the same block ids
+        if self.draft_model is not None:
+            draft = self.draft_model.kv_cache_spec()
+            self._draft_kv = ((draft.num_layers, config.cache.block_size, draft.num_kv_heads, draft.head_dim),
+                              resolve_kv_cache_dtype(config.cache.kv_cache_dtype) or draft.dtype)
         self.kv_cache: PagedKVCache | None = None
+        self.draft_kv_cache: PagedKVCache | None = None
         self.model_runner: ModelRunner | None = None
 
     def kv_blocks_that_fit(self, workers_sharing: int = 1) -> KVCacheFit:
@@ -63,7 +73,7 @@ class Worker:
         kv_cache_memory, or with "auto" its share (one of workers_sharing, all loaded) of the memory available now,
         bounded by what max_num_seqs sequences of max_model_len tokens fill; never more blocks than that bound
         either way (more would never be used)."""
-        per_block = PagedKVCache.bytes_per_block(*self._kv_shape, self._kv_dtype)
+        per_block = self._bytes_per_block()
         most_usable = self.config.scheduler.max_num_seqs * -(-self.max_model_len // self._kv_shape[1])
         budget = kv_cache_budget(self.config.cache.kv_cache_memory, self.device, workers_sharing,
                                  most_usable * per_block)
@@ -71,24 +81,49 @@ class Worker:
         if num_blocks < 1:
             raise ConfigError(f"kv_cache_memory {budget} bytes is less than one KV block ({per_block} bytes for "
                               f"{self._kv_shape[1]} tokens)")
-        return KVCacheFit(min(num_blocks, most_usable), budget, per_block, model_weights_bytes(self.model))
+        weights = model_weights_bytes(self.model)
+        if self.draft_model is not None:
+            weights += model_weights_bytes(self.draft_model)
+        return KVCacheFit(min(num_blocks, most_usable), budget, per_block, weights)
+
+    def _bytes_per_block(self) -> int:
+        """One block id's bytes: the target's layers, and the draft model's where it runs."""
+        per_block = PagedKVCache.bytes_per_block(*self._kv_shape, self._kv_dtype)
+        if self._draft_kv is not None:
+            per_block += PagedKVCache.bytes_per_block(*self._draft_kv[0], self._draft_kv[1])
+        return per_block
 
     def init_kv_cache(self, num_blocks: int) -> None:
         num_layers, block_size, num_kv_heads, head_dim = self._kv_shape
-        per_block = PagedKVCache.bytes_per_block(*self._kv_shape, self._kv_dtype)
+        per_block = self._bytes_per_block()
         logger.info("KV cache: %d blocks of %d tokens = %d tokens max (%s%s), %d bytes reserved (%.2f GiB); pages "
                     "become resident as blocks are first used", num_blocks, block_size, num_blocks * block_size,
                     str(self._kv_dtype).removeprefix("torch."),
                     " codes, per-token scales" if self._kv_dtype != self.model.dtype else "",
                     num_blocks * per_block, num_blocks * per_block / (1 << 30))
+        if self._draft_kv is not None:
+            logger.info("speculative decoding: the draft model's K/V sit in the same blocks (%d of each block's %d "
+                        "bytes)", PagedKVCache.bytes_per_block(*self._draft_kv[0], self._draft_kv[1]), per_block)
         self.kv_cache = PagedKVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, self._kv_dtype,
                                      self.device)
-        spec = self.config.speculative_config
-        proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max) if spec is not None else None
         with use_cpu_kernels(self.config.load.cpu_kernels, self.config.load.cpu_isa):
+            proposer = self._proposer(num_blocks)
             self.model_runner = ModelRunner(self.model, self.kv_cache, self.device, self.config.record_logits,
                                             self.lora_manager, self.config.multimodal.encoder_cache_memory,
                                             proposer)
+
+    def _proposer(self, num_blocks: int) -> NgramProposer | DraftModelProposer | None:
+        """Speculative decoding's proposer (None: off); a draft model's with its cache of num_blocks blocks."""
+        spec = self.config.speculative_config
+        if spec is None:
+            return None
+        if self._draft_kv is None:
+            return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        (num_layers, block_size, num_kv_heads, head_dim), dtype = self._draft_kv
+        self.draft_kv_cache = PagedKVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype,
+                                           self.device)
+        return DraftModelProposer(self.draft_model, self.draft_kv_cache, self.config.resolved_model.config.vocab_size,
+                                  self.config.resolved_draft_model.max_model_len, decode_kernel_available(self.device))
 
     @property
     def num_kv_blocks(self) -> int:

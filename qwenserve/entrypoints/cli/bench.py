@@ -1,5 +1,5 @@
-"""`qwenserve bench ...`: measurements, never tests (throughput, latency, prefix, ppl, kernels, allreduce, load,
-serve, structured, lora), and the shaped models they time (shaped-gguf)."""
+"""`qwenserve bench ...`: measurements, never tests (throughput, latency, spec-sweep, prefix, ppl, kernels,
+allreduce, load, serve, structured, lora), and the shaped models they time (shaped-gguf)."""
 from __future__ import annotations
 
 import argparse
@@ -32,10 +32,29 @@ def register(sub) -> None:
 
     lat = bench_sub.add_parser("latency", help="one request: time to first token and per output token")
     add_engine_args(lat)
-    lat.add_argument("--input-len", type=positive_int, default=128)
-    lat.add_argument("--output-len", type=positive_int, default=128)
+    lat.add_argument("--workload", choices=["random", "code-edit"], default="random",
+                     help="random: one prompt of random tokens, run to exactly --output-len tokens; code-edit: the "
+                          "shipped code-editing chat prompts (Python code and an edit to make, answered by the whole "
+                          "code again), each alone, greedy, to EOS or --output-len, with the speculative decoding "
+                          "counters (default: %(default)s)")
+    lat.add_argument("--input-len", type=positive_int, default=None, help="random: prompt tokens (default 128)")
+    lat.add_argument("--output-len", type=positive_int, default=None,
+                     help="output tokens (random: exactly, default 128; code-edit: at most, default 512)")
     lat.add_argument("--baseline", choices=["hf"], default=None)
     lat.add_argument("--json", action="store_true")
+
+    sweep = bench_sub.add_parser("spec-sweep", help="output tokens/s with and without --speculative-config at each "
+                                                    "batch size, and their ratio (to set disable_by_batch_size)")
+    add_engine_args(sweep)
+    sweep.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1, 2, 4, 8, 16, 32],
+                       help="requests at once, one run of each engine per size (default: 1 2 4 8 16 32)")
+    sweep.add_argument("--workload", choices=["random", "code-edit"], default="random",
+                       help="random: the T shape, --input-len random tokens each; code-edit: the shipped code-editing "
+                            "tasks, cycled (default: %(default)s)")
+    sweep.add_argument("--input-len", type=positive_int, default=128, help="random: prompt tokens (default: 128)")
+    sweep.add_argument("--output-len", type=positive_int, default=64,
+                       help="output tokens of each request, exactly (default: 64)")
+    sweep.add_argument("--json", action="store_true")
 
     pre = bench_sub.add_parser("prefix", help="TTFT with a cached vs an uncached shared prefix")
     add_engine_args(pre)
@@ -137,9 +156,21 @@ def run(args: argparse.Namespace) -> int:
         num_prompts = args.num_prompts or (64 if args.varied else 32)
         result = bench_throughput(engine_config_from_args(args), num_prompts, args.input_len, args.output_len,
                                   args.varied, args.baseline, args.hf_batch_size)
+    elif args.bench_command == "latency" and args.workload == "code-edit":
+        from qwenserve.benchmarks.code_edit import bench_code_edit
+        for flag, value in (("--input-len", args.input_len), ("--baseline", args.baseline)):
+            if value is not None:
+                raise ValueError(f"bench latency --workload code-edit takes no {flag} (its prompts are the shipped "
+                                 f"tasks, on qwenserve alone)")
+        result = bench_code_edit(engine_config_from_args(args), args.output_len or 512)
     elif args.bench_command == "latency":
         from qwenserve.benchmarks.latency import bench_latency
-        result = bench_latency(engine_config_from_args(args), args.input_len, args.output_len, args.baseline)
+        result = bench_latency(engine_config_from_args(args), args.input_len or 128, args.output_len or 128,
+                               args.baseline)
+    elif args.bench_command == "spec-sweep":
+        from qwenserve.benchmarks.spec_sweep import bench_spec_sweep
+        result = bench_spec_sweep(engine_config_from_args(args), args.batch_sizes, args.workload, args.input_len,
+                                  args.output_len)
     elif args.bench_command == "prefix":
         from qwenserve.benchmarks.prefix import bench_prefix
         result = bench_prefix(engine_config_from_args(args), args.prefix_len, args.num_prompts)

@@ -4,6 +4,7 @@ length and the quantization. The result, a ResolvedModel, is plain data that eve
 tokenizer is built from it here, for the engine's input and output processing."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from qwenserve.config.engine_config import LoadConfig
@@ -67,3 +68,35 @@ def checked_quantization_scheme(quantization: str, quantization_config: dict, pa
         return quantization_scheme(quantization, quantization_config)
     except ValueError as e:
         raise ConfigError(f"{path}: {e}") from e
+
+
+def resolve_draft_model(load: LoadConfig, draft: str, target: ResolvedModel, target_tokenizer) -> ResolvedModel:
+    """The draft checkpoint of speculative_config's draft_model, resolved as the target is (same dtype request, its
+    own quantization and context length), and checked against the target: a plain Qwen2 language model whose
+    tokenizer is the target's token for token (its proposals are target token ids). Its vocabulary size may
+    differ (Qwen2.5-0.5B pads its embeddings to 151936 rows, the larger ones to 152064): the tokenizer decides."""
+    try:
+        resolved = resolve_model(dataclasses.replace(load, model=draft, quantization=None, max_model_len=None))
+    except (ConfigError, ValueError) as e:  # the checkpoint's errors name the target's flag, --model
+        why = str(e).removeprefix(f"--model {draft}").lstrip(": ")
+        raise ConfigError(f"speculative_config: model {draft!r}: {why}") from None
+    if resolved.config.vision is not None or target.config.vision is not None:
+        raise ConfigError(f"speculative_config: method 'draft_model' runs with language models only; "
+                          f"{(resolved if resolved.config.vision is not None else target).path} has a vision tower")
+    draft_tokenizer = load_tokenizer(resolved)
+    difference = tokenizer_difference(target_tokenizer, draft_tokenizer)
+    if difference:
+        raise ConfigError(f"speculative_config: model {draft!r} has another tokenizer than the target model "
+                          f"{target.path!r} ({difference}); a draft must share the target's tokenizer")
+    return resolved
+
+
+def tokenizer_difference(a, b) -> str:
+    """"" when tokenizers a and b map the same strings to the same ids; else the first difference, in words."""
+    vocab_a, vocab_b = a.get_vocab(), b.get_vocab()
+    if vocab_a == vocab_b:
+        return ""
+    if len(vocab_a) != len(vocab_b):
+        return f"{len(vocab_b)} tokens against the target's {len(vocab_a)}"
+    token = next(t for t in sorted(vocab_a) if vocab_b.get(t) != vocab_a[t])
+    return f"token {token!r} is {vocab_b.get(token)} in the draft, {vocab_a[token]} in the target"
