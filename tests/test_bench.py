@@ -177,9 +177,12 @@ def test_bench_lora_runs_both_and_writes_adapters_peft_loads(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_bench_vl_times_the_same_model_on_both_sides(tmp_path, capsys):
-    """bench vl on the tiny shape: the checkpoint it writes gives qwenserve and HF the same greedy first token for
-    the image prompt, a second run reuses it, and a directory holding something else is refused."""
+def test_bench_vl_times_the_same_model_on_both_sides(tmp_path, capsys, monkeypatch):
+    """bench vl on the tiny shape: the checkpoint it writes (in shards, as the 2B's) gives qwenserve and HF the
+    same greedy first token for the image prompt, a second run reuses it, and a directory holding something else
+    is refused."""
+    import os
+    monkeypatch.setattr("qwenserve.benchmarks.vl.SHARD_BYTES", 8 << 20)  # the 19 MB embedding alone in one
     model_dir = str(tmp_path / "vl")
     argv = ["bench", "vl", "--shape", "tiny", "--model-dir", model_dir, "--dtype", "float32",
             "--kv-cache-memory", "32MiB", "--image-size", "112", "--rounds", "1", "--num-requests", "2",
@@ -194,6 +197,7 @@ def test_bench_vl_times_the_same_model_on_both_sides(tmp_path, capsys):
                 "matmul_peak_GFLOPs", "tower_share_of_peak", "requests_per_s", "hf_sequential_requests_per_s",
                 "throughput_over_hf_sequential"} <= set(result)
         assert 0 < result["tower_share_of_ttft"] and result["throughput_over_hf_sequential"] > 0
+    assert len([n for n in os.listdir(model_dir) if n.endswith(".safetensors")]) > 1
     assert main(argv[:4] + ["--shape", "2B"] + argv[4:]) == 2  # another shape's directory
     assert "not {'shape': '2B'" in capsys.readouterr().err
 

@@ -38,6 +38,7 @@ from qwenserve.sample.sampling_params import SamplingParams
 
 MARKER = "qwenserve_bench_vl.json"  # written last: a directory with it holds a complete checkpoint of its shape
 WEIGHT_STD = 0.02  # a trained model's scale: activations stay finite through every layer
+SHARD_BYTES = 1 << 30
 # Qwen2-VL-2B-Instruct's preprocessor_config.json
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 28 * 28 * 16384
 
@@ -84,27 +85,52 @@ def hf_vl_config(shape: VLShape, tokenizer):
     return Qwen2VLConfig(text_config=text, vision_config=shape.vision, tie_word_embeddings=True, **ids)
 
 
-def _random_weights(config, seed: int) -> dict[str, torch.Tensor]:
-    """Every tensor of the model, bf16: norm weights 1, the rest N(0, WEIGHT_STD); the tied LM head left out."""
+def _random_weights(config, seed: int):
+    """(name, tensor) for every tensor of the model, bf16: norm weights 1, the rest N(0, WEIGHT_STD); the tied LM
+    head left out. One at a time: the 2B's 4.4 GB are never all in memory."""
     from transformers import Qwen2VLForConditionalGeneration
     with torch.device("meta"):
         model = Qwen2VLForConditionalGeneration(config)
-    tensors = {}
     for i, (name, meta) in enumerate(model.state_dict().items()):
         if name == "lm_head.weight":
             continue  # tied to the embedding
         if name.endswith(("norm.weight", "norm1.weight", "norm2.weight", "ln_q.weight")):
-            tensors[name] = torch.ones(meta.shape, dtype=torch.bfloat16)
+            yield name, torch.ones(meta.shape, dtype=torch.bfloat16)
         else:
             generator = torch.Generator().manual_seed(seed * 100_003 + i)
-            tensors[name] = (torch.randn(meta.shape, generator=generator) * WEIGHT_STD).to(torch.bfloat16)
-    return tensors
+            yield name, (torch.randn(meta.shape, generator=generator) * WEIGHT_STD).to(torch.bfloat16)
+
+
+def _save_sharded(tensors, directory: str) -> int:
+    """Shards of about SHARD_BYTES and model.safetensors.index.json, as save_pretrained lays them out (safetensors
+    copies a file's tensors into one buffer to write it, so a shard bounds that copy). Returns the bytes."""
+    shards, current, size, total = [], {}, 0, 0
+    for name, tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if current and size + nbytes > SHARD_BYTES:
+            shards.append(_write_shard(current, directory, len(shards)))
+            current, size = {}, 0
+        current[name], size, total = tensor, size + nbytes, total + nbytes
+    shards.append(_write_shard(current, directory, len(shards)))
+    weight_map = {}
+    for i, names in enumerate(shards):
+        final = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        os.replace(os.path.join(directory, f"shard-{i}.tmp"), os.path.join(directory, final))
+        weight_map.update(dict.fromkeys(names, final))
+    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+    return total
+
+
+def _write_shard(tensors: dict[str, torch.Tensor], directory: str, index: int) -> list[str]:
+    from safetensors.torch import save_file
+    save_file(tensors, os.path.join(directory, f"shard-{index}.tmp"), metadata={"format": "pt"})
+    return list(tensors)
 
 
 def write_vl_checkpoint(shape: VLShape, directory: str, seed: int = 0) -> dict:
     """The checkpoint of `shape` in `directory`: reused when a complete one of that shape and seed is there,
     written when the directory is absent or empty; anything else there is refused."""
-    from safetensors.torch import save_file
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     mark = {"shape": shape.label, "seed": seed}
@@ -124,7 +150,7 @@ def write_vl_checkpoint(shape: VLShape, directory: str, seed: int = 0) -> dict:
     tokenizer = bundled_tokenizer()
     config = hf_vl_config(shape, tokenizer)
     config.dtype, config.architectures = "bfloat16", ["Qwen2VLForConditionalGeneration"]
-    save_file(_random_weights(config, seed), os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    total = _save_sharded(_random_weights(config, seed), directory)
     config.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS).save_pretrained(directory)
@@ -133,7 +159,7 @@ def write_vl_checkpoint(shape: VLShape, directory: str, seed: int = 0) -> dict:
                    "eos_token_id": [config.text_config.eos_token_id, config.text_config.bos_token_id]}, f)
     with open(marker, "w") as f:
         json.dump(mark, f)
-    return {"path": directory, "written": True, "write_s": round(time.perf_counter() - start, 1)}
+    return {"path": directory, "written": True, "weight_bytes": total, "write_s": round(time.perf_counter() - start, 1)}
 
 
 def tower_flops(vision: VisionConfig, grid: tuple[int, int, int]) -> int:
@@ -326,7 +352,7 @@ def _measure(config: EngineConfig, checkpoint: dict, image_size: int, text_len: 
         "tower_ms": round(tower_ms["qwenserve"], 1), "hf_tower_ms": round(tower_ms["hf"], 1),
         "tower_share_of_ttft": round(tower_ms["qwenserve"] / ttft_ms["qwenserve"], 3),
         "hf_tower_share_of_ttft": round(tower_ms["hf"] / ttft_ms["hf"], 3),
-        "tower_gflop": round(flops / 1e9, 2),
+        "tower_gflop": float(f"{flops / 1e9:.4g}"),
         "tower_GFLOPs": round(flops / tower_ms["qwenserve"] / 1e6, 1),
         "hf_tower_GFLOPs": round(flops / tower_ms["hf"] / 1e6, 1),
         "matmul_peak_GFLOPs": round(peak, 1), "matmul_peak_shape": "x".join(map(str, peak_shape)),
