@@ -267,10 +267,11 @@ class QwenserveSide:
         return self.model.embed_images(pixels, [grid])
 
 
-def _timed(fn) -> float:
+def _timed(fn) -> tuple[float, object]:
+    """(seconds, fn's result)."""
     start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+    result = fn()
+    return time.perf_counter() - start, result
 
 
 def bench_vl(settings: dict, shape: VLShape, model_dir: str | None, image_size: int, text_len: int,
@@ -298,45 +299,47 @@ def _measure(config: EngineConfig, checkpoint: dict, image_size: int, text_len: 
     vision = ours.model.vision
     tokenizer = ours.engine.tokenizer
     image_prompt = [vision.vision_start_token_id, vision.image_token_id, vision.vision_end_token_id]
-    texts = iter(random_prompts(4 * rounds + 2 * num_requests + hf_requests + 8, text_len,
-                                ordinary_vocab(tokenizer), seed=11))
+    texts = iter(random_prompts(1 + rounds + num_requests + hf_requests, text_len, ordinary_vocab(tokenizer),
+                                seed=11))
     seeds = iter(range(1_000_000))
 
     def request() -> tuple[list[int], object]:
         """A fresh prompt and image: nothing of it is in qwenserve's prefix or encoder cache."""
         return image_prompt + next(texts), random_image(image_size, next(seeds))
 
-    # warm-up of both (one-off costs), then TTFT rounds alternating which goes first
+    def alternating(sides: dict, make_args) -> tuple[dict[str, list[float]], dict]:
+        """Seconds of each side's runs, `rounds` of them alternating which goes first (new arguments from
+        make_args each round), and each side's last result."""
+        times, results = {name: [] for name in sides}, {}
+        for r in range(rounds):
+            args = make_args()
+            for name in list(sides) if r % 2 == 0 else list(sides)[::-1]:
+                seconds, results[name] = _timed(lambda: sides[name](*args))
+                times[name].append(seconds)
+        return times, results
+
+    # warm-up of both (one-off costs), then the TTFT rounds, a new image each
     warm = request()
     ours.run([warm], 2)
     hf.generate(*warm, 2)
-    ttft = {"qwenserve": [], "hf": []}
-    first_tokens = {}
-    for r in range(rounds):
-        ids, image = request()
-        sides = [("qwenserve", lambda: first_tokens.__setitem__("qwenserve", ours.run([(ids, image)], 1)[1][0][0])),
-                 ("hf", lambda: first_tokens.__setitem__("hf", hf.generate(ids, image, 1)[0]))]
-        for name, fn in sides if r % 2 == 0 else sides[::-1]:
-            ttft[name].append(_timed(fn))
+    ttft, first_tokens = alternating({"qwenserve": lambda ids, image: ours.run([(ids, image)], 1)[1][0][0],
+                                      "hf": lambda ids, image: hf.generate(ids, image, 1)[0]}, request)
 
-    # the tower alone, on each side's own pixel values of one image (equal: both follow the same processor)
+    # the tower alone, both on the same pixel values (qwenserve's processor's, equal to HF's to the bit)
     processed = ours.processor.process(random_image(image_size, next(seeds)))
     pixels, grid = torch.from_numpy(processed.pixel_values), processed.grid
     ours.tower(pixels, grid)
     hf.tower(pixels, grid)
-    tower = {"qwenserve": [], "hf": []}
-    for r in range(rounds):
-        sides = [("qwenserve", lambda: ours.tower(pixels, grid)), ("hf", lambda: hf.tower(pixels, grid))]
-        for name, fn in sides if r % 2 == 0 else sides[::-1]:
-            tower[name].append(_timed(fn))
+    tower, _ = alternating({"qwenserve": ours.tower, "hf": hf.tower}, lambda: (pixels, grid))
     flops = tower_flops(vision, grid)
-    merged = vision.hidden_size * vision.merge_unit
-    peak, peak_shape = matmul_peak(dtype, [(grid[1] * grid[2], vision.hidden_size, vision.intermediate_size),
-                                           (grid[1] * grid[2] // vision.merge_unit, merged, merged), (2048, 4096, 4096)])
+    # the peak: the tower's fc1 and merger products at its row counts, and a large square one
+    patches, merged = grid[1] * grid[2], vision.hidden_size * vision.merge_unit
+    peak, peak_shape = matmul_peak(dtype, [(patches, vision.hidden_size, vision.intermediate_size),
+                                           (patches // vision.merge_unit, merged, merged), (2048, 4096, 4096)])
 
     # throughput: all requests at once against HF one at a time
     ours_s, _ = ours.run([request() for _ in range(num_requests)], output_len)
-    hf_s = sum(_timed(lambda: hf.generate(*request(), output_len)) for _ in range(hf_requests))
+    hf_s = sum(_timed(lambda: hf.generate(*request(), output_len))[0] for _ in range(hf_requests))
 
     ttft_ms = {k: statistics.median(v) * 1e3 for k, v in ttft.items()}
     tower_ms = {k: statistics.median(v) * 1e3 for k, v in tower.items()}
