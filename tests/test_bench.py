@@ -222,3 +222,52 @@ def test_bench_spec_sweep_prints_the_ratio_per_batch_size(tmp_path, capsys):
                 result[f"b{b}_on_tokens_per_s"] / result[f"b{b}_off_tokens_per_s"], rel=0.01)
             assert 0 <= result[f"b{b}_acceptance_rate"] <= 1
         assert out[0].split() == ["batch", "off", "tok/s", "on", "tok/s", "ratio", "acceptance"]
+
+
+@pytest.mark.slow
+def test_bench_vl_times_the_same_model_on_both_sides(tmp_path, capsys, monkeypatch):
+    """bench vl on the tiny shape: the checkpoint it writes (in shards, as the 2B's) gives qwenserve and HF the
+    same greedy first token for the image prompt, a second run reuses it, and a directory holding something else
+    is refused."""
+    import os
+    monkeypatch.setattr("qwenserve.benchmarks.vl.SHARD_BYTES", 8 << 20)  # the 19 MB embedding alone in one
+    model_dir = str(tmp_path / "vl")
+    argv = ["bench", "vl", "--shape", "tiny", "--model-dir", model_dir, "--dtype", "float32",
+            "--kv-cache-memory", "32MiB", "--image-size", "112", "--rounds", "1", "--num-requests", "2",
+            "--output-len", "3", "--hf-requests", "1", "--json"]
+    for written in (True, False):
+        assert main(argv) == 0
+        result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert result["checkpoint_written"] is written
+        assert result["first_token"] == result["hf_first_token"]
+        assert result["image_tokens"] == 16  # 112 x 112 pixels: 8 x 8 patches, merged 2 x 2
+        assert {"ttft_ms", "hf_ttft_ms", "tower_ms", "hf_tower_ms", "tower_share_of_ttft", "tower_GFLOPs",
+                "matmul_peak_GFLOPs", "tower_share_of_peak", "requests_per_s", "hf_sequential_requests_per_s",
+                "throughput_over_hf_sequential"} <= set(result)
+        assert 0 < result["tower_share_of_ttft"] and result["throughput_over_hf_sequential"] > 0
+    assert len([n for n in os.listdir(model_dir) if n.endswith(".safetensors")]) > 1
+    assert main(argv[:4] + ["--shape", "2B"] + argv[4:]) == 2  # another shape's directory
+    assert "not {'shape': '2B'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_bench_vl_shapes_and_flop_count(tmp_path):
+    """The 2B shape has Qwen2-VL-2B-Instruct's 2,208,985,600 parameters; tower_flops counts every matrix product
+    of the tower, as torch's FLOP counter does on a run of it."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from qwenserve.benchmarks.vl import (SHAPES, bundled_tokenizer, hf_vl_config, random_image, tower_flops,
+                                         write_vl_checkpoint)
+    from qwenserve.model.models.qwen2_vl_processor import Qwen2VLProcessor
+
+    with torch.device("meta"):
+        model = Qwen2VLForConditionalGeneration(hf_vl_config(SHAPES["2B"], bundled_tokenizer()))
+    assert sum(p.numel() for p in model.parameters()) == 2_208_985_600
+    path = write_vl_checkpoint(SHAPES["tiny"], str(tmp_path / "vl"))["path"]
+    loaded = LoadedModel(path, dtype="float32")
+    with open(f"{path}/preprocessor_config.json") as f:
+        image = Qwen2VLProcessor(loaded.model.vision, json.load(f)).process(random_image(140, 0))
+    with FlopCounterMode(display=False) as counter, torch.inference_mode():
+        loaded.model.embed_images(torch.from_numpy(image.pixel_values), [image.grid])
+    assert image.grid == (1, 10, 10) and tower_flops(loaded.model.vision, image.grid) == counter.get_total_flops()

@@ -1,10 +1,11 @@
 """`qwenserve bench ...`: measurements, never tests (throughput, latency, spec-sweep, prefix, ppl, kernels,
-allreduce, load, serve, structured, lora), and the shaped models they time (shaped-gguf)."""
+allreduce, load, serve, structured, lora, vl), and the shaped models they time (shaped-gguf)."""
 from __future__ import annotations
 
 import argparse
 import json
 
+from qwenserve.config.engine_config import EngineConfig
 from qwenserve.config.server_config import SERVER_DEFAULTS
 from qwenserve.entrypoints.cli.engine_args import add_engine_args, byte_size, engine_config_from_args, positive_int
 
@@ -123,6 +124,30 @@ def register(sub) -> None:
                     help="alternating runs of each, the median reported (default: %(default)s)")
     lo.add_argument("--json", action="store_true")
 
+    from qwenserve.benchmarks.vl import SHAPES as VL_SHAPES
+    vl = bench_sub.add_parser("vl", help="images through a Qwen2-VL-shaped model with random weights (written here): "
+                                         "TTFT and the tower's share, the tower's GFLOP/s, throughput, against HF")
+    add_engine_args(vl, only=tuple(f.name for _, f in EngineConfig.settings() if f.name != "model"))
+    vl.set_defaults(dtype="bfloat16")
+    vl.add_argument("--shape", choices=list(VL_SHAPES), default="2B",
+                    help="2B: Qwen2-VL-2B-Instruct's sizes; tiny: for tests (default: %(default)s)")
+    vl.add_argument("--model-dir", default=None,
+                    help="where the checkpoint is written, or reused if a complete one of the shape is there "
+                         "(2B: 4.4 GB; default: a temporary directory, removed after)")
+    vl.add_argument("--image-size", type=positive_int, default=448, help="square images' side in pixels "
+                                                                         "(default: %(default)s)")
+    vl.add_argument("--text-len", type=positive_int, default=32, help="text tokens after the image "
+                                                                      "(default: %(default)s)")
+    vl.add_argument("--num-requests", type=positive_int, default=16,
+                    help="requests at once in the throughput run, each with its own image (default: %(default)s)")
+    vl.add_argument("--output-len", type=positive_int, default=64,
+                    help="tokens each throughput request writes, EOS ignored (default: %(default)s)")
+    vl.add_argument("--hf-requests", type=positive_int, default=4,
+                    help="requests HF runs one after another for its sequential rate (default: %(default)s)")
+    vl.add_argument("--rounds", type=positive_int, default=3,
+                    help="alternating TTFT and tower runs of each, the median reported (default: %(default)s)")
+    vl.add_argument("--json", action="store_true")
+
     srv = bench_sub.add_parser("serve", help="drive a running OpenAI-compatible server with streaming requests")
     srv.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (without /v1)")
     srv.add_argument("--num-prompts", type=positive_int, default=64)
@@ -197,6 +222,11 @@ def run(args: argparse.Namespace) -> int:
         from qwenserve.benchmarks.lora import bench_lora
         result = bench_lora(engine_config_from_args(args), args.num_adapters, args.rank, args.num_prompts,
                             args.input_len, args.output_len, args.rounds)
+    elif args.bench_command == "vl":
+        from qwenserve.benchmarks.vl import SHAPES, bench_vl
+        settings = {f.name: getattr(args, f.name) for _, f in EngineConfig.settings() if hasattr(args, f.name)}
+        result = bench_vl(settings, SHAPES[args.shape], args.model_dir, args.image_size, args.text_len,
+                          args.num_requests, args.output_len, args.hf_requests, args.rounds)
     elif args.bench_command == "ppl":
         from qwenserve.benchmarks.ppl import bench_ppl
         result = bench_ppl(engine_config_from_args(args), args.file, args.context, args.stride, args.agreement)
