@@ -12,6 +12,7 @@ import torch
 
 from qwenserve import SamplingParams
 from qwenserve.distributed.groups import free_port
+from qwenserve.engine.llm_engine import RequestsFailedError
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -442,3 +443,16 @@ def descendant_pids(pid: int) -> list[int]:
             found += children
             todo += children
     return found
+
+
+def step_until_idle(engine) -> tuple[dict, dict]:
+    """Step an LLMEngine until idle: (finished outputs, failures) by request id."""
+    outputs, failures = {}, {}
+    while engine.has_unfinished_requests():
+        try:
+            outs = engine.step()
+        except RequestsFailedError as e:
+            failures.update(e.failures)
+            outs = e.outputs
+        outputs.update((o.request_id, o) for o in outs if o.finished)
+    return outputs, failures

@@ -14,7 +14,7 @@ from qwenserve.engine.llm_engine import LLMEngine, RequestsFailedError
 from qwenserve.entrypoints.openai.api_server import build_app
 from qwenserve.worker.memory import AUTO_FRACTION, available_memory
 
-from helpers import PROMPTS, assert_hf_greedy, live_server, wait_idle_and_clean
+from helpers import PROMPTS, assert_hf_greedy, live_server, step_until_idle, wait_idle_and_clean
 
 POISON = 77  # a prompt token that makes the injected fault fire
 
@@ -40,14 +40,7 @@ def test_a_failed_step_ends_only_its_requests(parallel_tiny):
     for i, prompt in enumerate(PROMPTS[:2]):
         engine.add_request(f"ok-{i}", prompt, params)
     engine.add_request("bad", [POISON] + PROMPTS[2], params)  # waits: two sequences at most run at once
-    finished, failures = {}, {}
-    while engine.has_unfinished_requests():
-        try:
-            outputs = engine.step()
-        except RequestsFailedError as e:
-            failures.update(e.failures)
-            outputs = e.outputs
-        finished.update({o.request_id: o for o in outputs if o.finished})
+    finished, failures = step_until_idle(engine)
     assert set(failures) == {"bad"} and "injected fault" in str(failures["bad"])
     assert set(finished) == {"ok-0", "ok-1"} and all(len(o.outputs[0].token_ids) == 6 for o in finished.values())
     assert engine.kv.num_free_blocks == engine.kv.num_blocks  # the failed request's blocks came back

@@ -27,7 +27,8 @@ MiB = 1 << 20
 # ---- the allocator ------------------------------------------------------------------------------------------
 
 def _seq(seq_id: int, tokens: list[int]) -> Sequence:
-    return Sequence(seq_id, str(seq_id), 0, list(tokens), len(tokens), SamplingParams())
+    return Sequence(seq_id=seq_id, request_id=str(seq_id), index=0, token_ids=list(tokens),
+                    num_prompt_tokens=len(tokens), params=SamplingParams())
 
 
 def _allocated(kv: KVCacheManager, seq: Sequence) -> Sequence:

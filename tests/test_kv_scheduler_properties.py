@@ -75,7 +75,8 @@ class Harness:
         self.ids += 1
         params = SamplingParams(max_tokens=max_tokens, n=n)
         lora = LoRARequest(f"a{adapter}", adapter, f"/adapters/{adapter}") if adapter else None
-        seqs = [Sequence(self.ids * 10 + i, rid, i, list(prompt), prompt_len, params, lora_request=lora,
+        seqs = [Sequence(seq_id=self.ids * 10 + i, request_id=rid, index=i, token_ids=list(prompt),
+                         num_prompt_tokens=prompt_len, params=params, lora_request=lora,
                          cache_salt=lora.cache_salt if lora else b"") for i in range(n)]
         seqs[0].fork_children = seqs[1:]
         self.requests[rid] = seqs
@@ -167,7 +168,8 @@ class Harness:
         self.kv.check_invariants(self.live())
         for seq in self.live():  # every block registered in the prefix cache holds the sequence's own tokens
             assert seq.num_registered_blocks * BLOCK <= seq.num_tokens
-            fresh = Sequence(0, "", 0, seq.token_ids, seq.num_prompt_tokens, seq.params, cache_salt=seq.cache_salt)
+            fresh = Sequence(seq_id=0, request_id="", index=0, token_ids=seq.token_ids,
+                             num_prompt_tokens=seq.num_prompt_tokens, params=seq.params, cache_salt=seq.cache_salt)
             self.kv._hash_blocks(fresh, seq.num_registered_blocks)
             assert seq.block_hashes[:seq.num_registered_blocks] == fresh.block_hashes
         # a fresh block is touched only when no used block is free (without prefix caching), or while the free

@@ -18,7 +18,7 @@ from qwenserve.core.request import Sequence
 from qwenserve.lora.batch import LoRABatch
 from qwenserve.lora.ops import Expand, LayerAdapter, StackedAdapters, add_lora
 
-from helpers import save_hf_dir, tiny_hf_model
+from helpers import save_hf_dir, step_until_idle, tiny_hf_model
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
@@ -287,7 +287,8 @@ def test_block_hashes_include_the_cache_salt():
     tokens = list(range(9))
 
     def seq(i, salt):
-        return Sequence(i, str(i), 0, list(tokens), len(tokens), SamplingParams(), cache_salt=salt)
+        return Sequence(seq_id=i, request_id=str(i), index=0, token_ids=list(tokens), num_prompt_tokens=len(tokens),
+                        params=SamplingParams(), cache_salt=salt)
     a = seq(0, b"lora:1")
     assert kv.allocate(a, len(tokens))
     assert kv.find_cached_prefix(seq(1, b"lora:2")) == []
@@ -565,19 +566,6 @@ def test_convert_refuses_to_merge_into_quantized_weights(tmp_path, capsys):
 
 # ---- an adapter the worker cannot load fails its own requests, not the step ----------------------------------------
 
-def step_all(engine) -> tuple[dict, dict]:
-    """Step an LLMEngine until idle: (finished outputs, failures) by request id."""
-    from qwenserve.engine.llm_engine import RequestsFailedError
-    outputs, failures = {}, {}
-    while engine.has_unfinished_requests():
-        try:
-            outs = engine.step()
-        except RequestsFailedError as e:
-            failures.update(e.failures)
-            outs = e.outputs
-        outputs.update((o.request_id, o) for o in outs if o.finished)
-    return outputs, failures
-
 
 def worker_load_fails_for(engine, base, tmp_path, name: str, lora_int_id: int):
     """An adapter the engine has accepted whose files then change (a tensor of the wrong shape) before a worker
@@ -606,7 +594,7 @@ def test_an_adapter_the_worker_cannot_load_fails_its_requests_only(llm, adapters
     lora = {"base": None, "attn": adapters["attn"][0], "late": late}
     for rid, ids in prompts.items():
         engine.add_request(rid, {"prompt_token_ids": ids}, GREEDY, lora_request=lora[rid])
-    outputs, failures = step_all(engine)
+    outputs, failures = step_until_idle(engine)
     assert set(failures) == {"late"} and set(outputs) == {"base", "attn"}
     assert isinstance(failures["late"], RequestError) and failures["late"].param == "lora_request"
     assert re.search(r"LoRA adapter 'late' could not be loaded: .*up_proj.lora_A.weight.* has shape \(8, 32\)",
@@ -641,7 +629,7 @@ def test_parallel_ranks_agree_on_an_adapter_that_fails_to_load(tmp_path, tp, pp)
         lora = {"good": good, "late": late, "base": None}
         for rid, ids in prompts.items():
             llm.engine.add_request(rid, {"prompt_token_ids": ids}, GREEDY, lora_request=lora[rid])
-        outputs, failures = step_all(llm.engine)
+        outputs, failures = step_until_idle(llm.engine)
         assert set(failures) == {"late"} and "could not be loaded" in str(failures["late"])
         assert outputs["good"].outputs[0].token_ids == reference(good_model, prompts["good"], GREEDY.max_tokens)[0]
         assert outputs["base"].outputs[0].token_ids == reference(hf, prompts["base"], GREEDY.max_tokens)[0]

@@ -173,7 +173,8 @@ def test_rejection_sampler_greedy_and_per_position_processing():
 # ---- the scheduler's side -------------------------------------------------------------------------------------
 
 def seq(seq_id, prompt, params=None):
-    return Sequence(seq_id, str(seq_id), 0, list(prompt), len(prompt), params or SamplingParams(max_tokens=50))
+    return Sequence(seq_id=seq_id, request_id=str(seq_id), index=0, token_ids=list(prompt),
+                    num_prompt_tokens=len(prompt), params=params or SamplingParams(max_tokens=50))
 
 
 def test_blocks_holding_drafts_are_never_cached():

@@ -168,14 +168,15 @@ class Scheduler:
         """may_propose: False when seq's lookahead slots did not fit, so it makes no proposals this step."""
         sent = self._blocks_sent.get(seq.seq_id)
         if sent is None:
-            out.new_seqs.append(NewSequenceData(seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens, seq.params,
-                                                list(seq.block_table), seq.num_computed_tokens, seq.lora_request,
-                                                seq.images))
+            out.new_seqs.append(NewSequenceData(
+                seq_id=seq.seq_id, token_ids=list(seq.token_ids), num_prompt_tokens=seq.num_prompt_tokens,
+                params=seq.params, block_ids=list(seq.block_table), num_computed_tokens=seq.num_computed_tokens,
+                lora_request=seq.lora_request, images=seq.images))
         else:
             # 0 blocks sent happens only after a preemption (a scheduled sequence always holds a block)
-            out.cached_seqs.append(CachedSequenceData(seq.seq_id, seq.block_table[sent:], seq.num_computed_tokens,
-                                                      seq.token_ids[self._tokens_sent[seq.seq_id]:],
-                                                      resumed_from_preemption=sent == 0))
+            out.cached_seqs.append(CachedSequenceData(
+                seq_id=seq.seq_id, new_block_ids=seq.block_table[sent:], num_computed_tokens=seq.num_computed_tokens,
+                new_token_ids=seq.token_ids[self._tokens_sent[seq.seq_id]:], resumed_from_preemption=sent == 0))
         self._blocks_sent[seq.seq_id] = len(seq.block_table)
         self._tokens_sent[seq.seq_id] = seq.num_tokens
         out.num_scheduled_tokens[seq.seq_id] = n + len(drafts)

@@ -62,12 +62,13 @@ class InputProcessor:
         text, ids = self.tokenize(prompt)
         ids, images = self._images(prompt, ids)
         self._check(ids, params)
-        self._check_adapter(lora_request)
+        self.check_adapter(lora_request)
         max_tokens = params.max_tokens or self.max_model_len - len(ids)
         params = dataclasses.replace(params, max_tokens=max_tokens, eos_token_ids=self.eos_token_ids)
         return ProcessedRequest(text, ids, params, lora_request, images)
 
-    def _check_adapter(self, lora_request: LoRARequest | None) -> None:
+    def check_adapter(self, lora_request: LoRARequest | None) -> None:
+        """RequestError naming the field or tensor if the adapter cannot be served (None: the base model)."""
         if lora_request is None:
             return
         if not isinstance(lora_request, LoRARequest):

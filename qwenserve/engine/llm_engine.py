@@ -24,7 +24,6 @@ from qwenserve.engine.structured_output import StructuredOutputManager
 from qwenserve.executor.abstract import Executor, ExecutorDeadError
 from qwenserve.executor.multiproc_executor import MultiprocExecutor
 from qwenserve.executor.uniproc_executor import UniProcExecutor
-from qwenserve.lora.peft import LoRAAdapterError
 from qwenserve.lora.registry import AdapterRegistry
 from qwenserve.lora.request import LoRARequest
 from qwenserve.model.loader.resolve import load_tokenizer, resolve_draft_model, resolve_model
@@ -125,10 +124,10 @@ class LLMEngine:
             raise RequestError(f"request id {request_id!r} is already in use")
         params = request.params
         lora = request.lora_request
-        seqs = [Sequence(next(self._seq_ids), request_id, i, list(request.prompt_token_ids),
-                         len(request.prompt_token_ids), params.child(i) if params.n > 1 else params,
-                         lora_request=lora, cache_salt=lora.cache_salt if lora is not None else b"",
-                         images=request.images)
+        seqs = [Sequence(seq_id=next(self._seq_ids), request_id=request_id, index=i,
+                         token_ids=list(request.prompt_token_ids), num_prompt_tokens=len(request.prompt_token_ids),
+                         params=params.child(i) if params.n > 1 else params, lora_request=lora,
+                         cache_salt=lora.cache_salt if lora is not None else b"", images=request.images)
                 for i in range(params.n)]
         seqs[0].fork_children = seqs[1:]  # siblings start from the first one's prompt blocks
         self.output_processor.add_request(request_id, request, seqs, arrival_time or time.time())
@@ -142,13 +141,7 @@ class LLMEngine:
     def add_lora(self, lora_request: LoRARequest) -> None:
         """Accept an adapter before any request names it, checked as a request's adapter is (its config and the
         safetensors header), so a broken one fails here (RequestError naming the field or tensor)."""
-        if self.adapters is None:
-            raise RequestError(f"cannot add LoRA adapter {lora_request.lora_name!r}: the engine was started without "
-                               f"enable_lora", param="lora_request")
-        try:
-            self.adapters.check(lora_request)
-        except LoRAAdapterError as e:
-            raise RequestError(str(e), param="lora_request") from None
+        self.input_processor.check_adapter(lora_request)
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Forget an adapter: new requests may no longer name it (its name is free for another adapter), while

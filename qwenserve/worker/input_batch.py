@@ -104,8 +104,10 @@ class InputBatch:
         for new in scheduler_output.new_seqs:
             p = new.params
             generator = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
-            seq = SequenceState(new.seq_id, list(new.token_ids), new.num_prompt_tokens, p, list(new.block_ids),
-                                new.num_computed_tokens, generator, new.lora_request, new.images)
+            seq = SequenceState(seq_id=new.seq_id, token_ids=list(new.token_ids),
+                                num_prompt_tokens=new.num_prompt_tokens, params=p, block_table=list(new.block_ids),
+                                num_computed_tokens=new.num_computed_tokens, generator=generator,
+                                lora_request=new.lora_request, images=new.images)
             if self.mrope_merge is not None:
                 images = [(image.offset, image.grid, image.time_interval) for image in seq.images]
                 seq.prompt_mrope, seq.mrope_delta = mrope_positions(seq.num_prompt_tokens, images, self.mrope_merge)
@@ -162,8 +164,10 @@ class InputBatch:
 
         decode = self._decode_groups(decode_rows, decode_tables, decode_lens, row)
         metadata = AttentionMetadata(kv_cache, self._tensor(np.concatenate(slots)), decode, prefills)
-        return ModelInputs(self._tensor(ids), self._tensor(np.concatenate(positions, axis=-1)), metadata,
-                           self._tensor(sample_rows), sampling_seqs, prompt_chunks, lora_spans, image_rows, drafts_of)
+        return ModelInputs(input_ids=self._tensor(ids), positions=self._tensor(np.concatenate(positions, axis=-1)),
+                           attn_metadata=metadata, sample_rows=self._tensor(sample_rows), sampling_seqs=sampling_seqs,
+                           prompt_chunks=prompt_chunks, lora_spans=lora_spans, image_rows=image_rows,
+                           draft_token_ids=drafts_of)
 
     def _decode_groups(self, rows: list[int], tables: list[np.ndarray], lens: list[int], num_rows: int):
         """Decode tokens as batched attentions. The CPU kernel takes them all in one group, each sequence read at

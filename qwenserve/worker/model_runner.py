@@ -144,6 +144,11 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor, inputs: ModelInputs, grammar: GrammarBitmask | None) -> VerifiedTokens:
         """The tokens each sampling sequence takes: one, or with drafts to verify, the accepted ones and one more."""
         seqs, drafts = inputs.sampling_seqs, inputs.draft_token_ids
+        if not any(drafts):  # every step without speculation: one row per sequence, no draft bookkeeping
+            rows = None if grammar is None else {seq.seq_id: i for i, seq in enumerate(seqs)}
+            sampled = self.sampler(logits, seqs, _grammar_rows(grammar, rows))
+            return VerifiedTokens([[t] for t in sampled.token_ids], [[lp] for lp in sampled.logprobs],
+                                  [[i] for i in range(len(seqs))])
         first_rows, row = {}, 0
         for seq, draft in zip(seqs, drafts):
             first_rows[seq.seq_id] = row
@@ -151,12 +156,7 @@ class ModelRunner:
         constrained = set(grammar.seq_ids) if grammar is not None else set()
         if any(draft for seq, draft in zip(seqs, drafts) if seq.seq_id in constrained):
             raise RuntimeError("a constrained sequence brought drafts: its grammar masks one token a step")
-        grammar_rows = _grammar_rows(grammar, first_rows)
-        if any(drafts):
-            return self.rejection_sampler(logits, seqs, drafts, grammar_rows)
-        sampled = self.sampler(logits, seqs, grammar_rows)
-        return VerifiedTokens([[t] for t in sampled.token_ids], [[lp] for lp in sampled.logprobs],
-                              [[i] for i in range(len(seqs))])
+        return self.rejection_sampler(logits, seqs, drafts, _grammar_rows(grammar, first_rows))
 
     def _prompt_logprobs(self, hidden: torch.Tensor, chunk: PromptChunk) -> list:
         """Entries for the prompt tokens this chunk predicts: row i predicts the token at first_position + i + 1
@@ -171,7 +171,8 @@ class ModelRunner:
         return top_logprobs(logprobs, torch.tensor(targets), seq.params.prompt_logprobs)
 
 
-def _grammar_rows(grammar: GrammarBitmask | None, row_of: dict[int, int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _grammar_rows(grammar: GrammarBitmask | None,
+                  row_of: dict[int, int] | None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The step's grammar bitmask as the sampler takes it: (the rows of the constrained sequences, their masks).
     row_of: each sampling sequence's (first) logits row."""
     if grammar is None:
