@@ -326,7 +326,7 @@ class EngineConfig:
               "sequence's last n-gram earlier in it, {\"method\": \"draft_model\", \"model\": PATH, "
               "\"num_speculative_tokens\": 4} by running a small model of the same tokenizer; each is verified "
               "exactly (greedy output unchanged, sampling keeps the model's distribution). Optional keys: "
-              "disable_by_batch_size (no proposals while more sequences run; default 8), min_acceptance_rate (a "
+              "disable_by_batch_size (no proposals while more sequences run; default 16), min_acceptance_rate (a "
               "sequence whose drafts are accepted less often pauses proposing; default 0.2) (default: off)",
         type=str)
     # not a setting: what `load` resolves to, filled in once by the engine before its workers start (they read

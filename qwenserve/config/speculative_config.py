@@ -22,8 +22,8 @@ class SpeculativeConfig:
     model: str | None = None  # draft_model: the draft checkpoint (HF directory or .gguf), same tokenizer as the target
     # No proposals for any sequence while more than this many are running: past some batch size a step's tokens
     # stop being nearly free (decode stops being bound by reading weights), and verifying drafts that are
-    # rejected only costs. 8 is a guess for a 2-core CPU with k about 4; to be measured with `bench`. None: never.
-    disable_by_batch_size: int | None = 8
+    # rejected only costs (docs/speculative_decoding.md has the sweep behind 16). None: never.
+    disable_by_batch_size: int | None = 16
     # A sequence whose recent drafts are accepted less often than this stops proposing for a while
     # (core/speculation.py); 0: never.
     min_acceptance_rate: float = 0.2
