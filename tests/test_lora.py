@@ -104,6 +104,12 @@ def test_greedy_tokens_and_logits_match_peft(llm, adapters, base, name):
     result, = llm.generate([{"prompt_token_ids": ids}], GREEDY, use_tqdm=False, lora_request=request)
     assert result.lora_request == request
     out = result.outputs[0]
+    print("max |logit|", expected_logits.abs().max().item(), "max diff", (torch.stack(out.logits) - expected_logits).abs().max().item())
+    base_out, = run(llm, [ids], None, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    with torch.no_grad():
+        with peft_model.disable_adapter():
+            base_tokens, base_logits = reference(peft_model, ids, 8)
+    print("base tokens equal", base_out.token_ids == base_tokens, "adapter changes tokens", base_tokens != expected_tokens, "base max |logit|", base_logits.abs().max().item(), "base diff", (torch.stack(base_out.logits) - base_logits).abs().max().item())
     assert out.token_ids == expected_tokens
     torch.testing.assert_close(torch.stack(out.logits), expected_logits, atol=1e-4, rtol=0)
     base_tokens, base_logits = reference(base[0], ids, GREEDY.max_tokens)
@@ -150,6 +156,12 @@ def test_long_prompt_runs_the_mlp_in_parts(llm, adapters):
         for m, rows in zip(mlps, saved):
             m.rows_per_pass = rows
     expected_tokens, expected_logits = reference(peft_model, ids, 3)
+    print("max |logit|", expected_logits.abs().max().item(), "max diff", (torch.stack(out.logits) - expected_logits).abs().max().item())
+    base_out, = run(llm, [ids], None, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    with torch.no_grad():
+        with peft_model.disable_adapter():
+            base_tokens, base_logits = reference(peft_model, ids, 8)
+    print("base tokens equal", base_out.token_ids == base_tokens, "adapter changes tokens", base_tokens != expected_tokens, "base max |logit|", base_logits.abs().max().item(), "base diff", (torch.stack(base_out.logits) - base_logits).abs().max().item())
     assert out.token_ids == expected_tokens
     torch.testing.assert_close(torch.stack(out.logits), expected_logits, atol=1e-4, rtol=0)
 
@@ -637,3 +649,28 @@ def test_parallel_ranks_agree_on_an_adapter_that_fails_to_load(tmp_path, tp, pp)
         assert len(run(llm, [prompts["late"]], late)[0].token_ids) == GREEDY.max_tokens
     finally:
         llm.engine.shutdown()
+
+
+@pytest.mark.slow
+def test_bundled_model_with_a_random_adapter_matches_peft(tmp_path):
+    """The real model (the bundled GGUF, dequantized, float32) with a PEFT adapter on all seven projections:
+    qwenserve's greedy tokens are PEFT's, its logits within 1e-4, far from the base model's. Its scale
+    (lora_alpha / r = 0.25 on PEFT's random B) keeps the activations of a fine-tuned model's size: at 2, random
+    gate/up products grow the MLP's activations until float32 rounding alone moves logits by 1e-3, in PEFT as in
+    qwenserve."""
+    from qwenserve.model.loader.bundled import bundled_model_path
+    from qwenserve.tools.compare import load_hf_model
+    path = bundled_model_path()
+    peft_model = make_adapter(load_hf_model(path), str(tmp_path / "adapter"), seed=5, r=8, lora_alpha=2,
+                              target_modules=ATTENTION + MLP)
+    llm = LLM(path, dtype="float32", quantization="none", kv_cache_memory="64MiB", record_logits=True,
+              enable_lora=True, max_lora_rank=8)
+    ids = llm.engine.tokenizer.encode("def quick_sort(items):\n")
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with torch.no_grad():
+        expected_tokens, expected_logits = reference(peft_model, ids, params.max_tokens)
+    out, = run(llm, [ids], LoRARequest("random", 1, str(tmp_path / "adapter")), params)
+    assert out.token_ids == expected_tokens
+    torch.testing.assert_close(torch.stack(out.logits), expected_logits, atol=1e-4, rtol=0)
+    base, = run(llm, [ids], None, params)
+    assert (torch.stack(base.logits) - expected_logits).abs().max() > 0.1  # the adapter moves the logits
