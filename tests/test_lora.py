@@ -104,12 +104,6 @@ def test_greedy_tokens_and_logits_match_peft(llm, adapters, base, name):
     result, = llm.generate([{"prompt_token_ids": ids}], GREEDY, use_tqdm=False, lora_request=request)
     assert result.lora_request == request
     out = result.outputs[0]
-    print("max |logit|", expected_logits.abs().max().item(), "max diff", (torch.stack(out.logits) - expected_logits).abs().max().item())
-    base_out, = run(llm, [ids], None, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    with torch.no_grad():
-        with peft_model.disable_adapter():
-            base_tokens, base_logits = reference(peft_model, ids, 8)
-    print("base tokens equal", base_out.token_ids == base_tokens, "adapter changes tokens", base_tokens != expected_tokens, "base max |logit|", base_logits.abs().max().item(), "base diff", (torch.stack(base_out.logits) - base_logits).abs().max().item())
     assert out.token_ids == expected_tokens
     torch.testing.assert_close(torch.stack(out.logits), expected_logits, atol=1e-4, rtol=0)
     base_tokens, base_logits = reference(base[0], ids, GREEDY.max_tokens)
@@ -156,12 +150,6 @@ def test_long_prompt_runs_the_mlp_in_parts(llm, adapters):
         for m, rows in zip(mlps, saved):
             m.rows_per_pass = rows
     expected_tokens, expected_logits = reference(peft_model, ids, 3)
-    print("max |logit|", expected_logits.abs().max().item(), "max diff", (torch.stack(out.logits) - expected_logits).abs().max().item())
-    base_out, = run(llm, [ids], None, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    with torch.no_grad():
-        with peft_model.disable_adapter():
-            base_tokens, base_logits = reference(peft_model, ids, 8)
-    print("base tokens equal", base_out.token_ids == base_tokens, "adapter changes tokens", base_tokens != expected_tokens, "base max |logit|", base_logits.abs().max().item(), "base diff", (torch.stack(base_out.logits) - base_logits).abs().max().item())
     assert out.token_ids == expected_tokens
     torch.testing.assert_close(torch.stack(out.logits), expected_logits, atol=1e-4, rtol=0)
 
@@ -656,8 +644,8 @@ def test_bundled_model_with_a_random_adapter_matches_peft(tmp_path):
     """The real model (the bundled GGUF, dequantized, float32) with a PEFT adapter on all seven projections:
     qwenserve's greedy tokens are PEFT's, its logits within 1e-4, far from the base model's. Its scale
     (lora_alpha / r = 0.25 on PEFT's random B) keeps the adapter's products small beside the base layers', as a
-    fine-tuned adapter's are: at 2, the random gate/up products grow the MLP's activations and the logits differ
-    from PEFT's by up to 1e-3 (with the CPU kernels on or off; the other five projections stay within 1e-4)."""
+    fine-tuned adapter's are: at 2, adapters on gate or up alone moved the logits from PEFT's by up to 1e-3 (gate
+    alone: with the CPU kernels off too), where each of the other five projections stayed within 1e-4."""
     from qwenserve.model.loader.bundled import bundled_model_path
     from qwenserve.tools.compare import load_hf_model
     path = bundled_model_path()
