@@ -104,8 +104,10 @@ class VisionAttention(nn.Module):
         start = 0
         for length in lengths:  # each segment (image, frame or window) attends only to itself
             part = slice(start, start + length)
-            out[part] = F.scaled_dot_product_attention(
-                q[part].transpose(0, 1), k[part].transpose(0, 1), v[part].transpose(0, 1)).transpose(0, 1)
+            # [1, heads, length, head_dim]: PyTorch's CPU flash attention takes 4-D inputs only (3-D ones run the
+            # math path, 2.5x slower on a 448x448 image's 1024 patches)
+            q_, k_, v_ = (t[part].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+            out[part] = F.scaled_dot_product_attention(q_, k_, v_)[0].transpose(0, 1)
             start += length
         return self.proj(out.reshape(n, -1))
 
