@@ -104,7 +104,8 @@ class Scheduler:
                 i += 1
         if memory_tight:
             return out  # no admissions while memory is this tight
-        adapters = {seq.lora_int_id for seq in self.running if seq.lora_request is not None}
+        adapters = (set() if self.max_loras is None  # no adapter slots to count
+                    else {seq.lora_int_id for seq in self.running if seq.lora_request is not None})
         passed_over: list[Sequence] = []  # waiting for an adapter slot: they keep their place in the queue
         while self.waiting and budget > 0 and seats > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -224,7 +225,7 @@ class Scheduler:
         sequences, and any other that adopted a block the step was to write (its prefix hit would read garbage)."""
         for seq_id in scheduler_output.num_scheduled_tokens:
             self.in_flight.discard(seq_id)
-        failed = [self._live[i] for i in scheduler_output.num_scheduled_tokens if i in self._live]
+        failed = self.live_in_step(scheduler_output)
         unwritten = set()
         for seq in failed:
             unwritten |= self.kv.uncache_unwritten(seq)
