@@ -2,7 +2,8 @@
 gives the offline API's greedy tokens (and transformers' generate's); remote URLs are fetched from a local HTTP
 server only for --allowed-media-domains (redirects checked again, a timeout and a size limit, the event loop free
 meanwhile); file:// only under --allowed-local-media-path; every bad part is a 400 naming it; usage counts the
-image's placeholder tokens; nothing is left behind in the KV cache. Offline, LLM.chat follows the same rules."""
+image's placeholder tokens; /tokenize gives the ids the chat endpoint runs, images and videos included, under the
+same rules; nothing is left behind in the KV cache. Offline, LLM.chat follows the same rules."""
 import asyncio
 import base64
 import http.server
@@ -245,6 +246,96 @@ def test_completions_take_no_images(server):
     assert response.status_code == 400 and "no images" in response.json()["error"]["message"]
 
 
+def tokenize(url: str, messages: list[dict]) -> httpx.Response:
+    return httpx.post(url + "/tokenize", json={"model": "vl", "messages": messages}, timeout=30)
+
+
+def expanded(tok, text: str, counts: list[int], pad: str = "<|image_pad|>") -> list[int]:
+    """The ids of a prompt whose placeholders (IMAGE, or the video's with pad) hold counts[i] pad tokens each."""
+    marker = IMAGE.replace("<|image_pad|>", pad)
+    pieces = text.split(marker)
+    assert len(pieces) == len(counts) + 1
+    full = pieces[0] + "".join(marker.replace(pad, pad * n) + piece for n, piece in zip(counts, pieces[1:]))
+    return tok.encode(full, add_special_tokens=False)
+
+
+@pytest.fixture
+def admitted_ids(server, monkeypatch) -> list[list[int]]:
+    """The prompt ids of each request the engine admits while the test runs, in order."""
+    processor = server[1].engine.input_processor
+    process, seen = processor.process, []
+
+    def recording(*args, **kwargs):
+        request = process(*args, **kwargs)
+        seen.append(request.prompt_token_ids)
+        return request
+    monkeypatch.setattr(processor, "process", recording)
+    return seen
+
+
+def test_tokenize_counts_images_as_the_chat_prompt_does(server, client, admitted_ids):
+    """/tokenize with image parts gives the ids the chat endpoint runs for the same messages: each placeholder
+    expanded to its image's tokens after the smart resize and the 2x2 merge, as usage and the engine count them."""
+    url, engine = server
+    tok = engine.tokenizer
+    # 60x90 -> 56x84 pixels -> 2x3 merged patches: 6 tokens; 150x100 -> 140x112 -> 5x4: 20 tokens
+    small, large = image_part(data_url(random_image(60, 90, seed=7))), image_part(data_url(random_image(150, 100)))
+    cases = [(user("what is ", small, " here?"), f"what is {IMAGE} here?", [6]),
+             (user(small, "then", large, "?"), f"{IMAGE}then{IMAGE}?", [6, 20]),
+             (user(large, "then", small), f"{IMAGE}then{IMAGE}", [20, 6])]
+    for messages, text, counts in cases:
+        response = tokenize(url, messages)
+        assert response.status_code == 200, response.text
+        body = response.json()
+        chat = f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+        assert body["tokens"] == expanded(tok, chat, counts)
+        assert body["count"] == len(body["tokens"]) and body["max_model_len"] == engine.max_model_len
+        out = client.chat.completions.create(model="vl", messages=messages, **GREEDY)
+        assert out.usage.prompt_tokens == body["count"]
+        assert admitted_ids[-1] == body["tokens"]
+    # without the generation prompt, as for text
+    response = httpx.post(url + "/tokenize", timeout=30, json={"messages": cases[0][0], "add_generation_prompt": False})
+    assert response.json()["tokens"] == expanded(tok, f"<|im_start|>user\nwhat is {IMAGE} here?<|im_end|>\n", [6])
+    wait_idle_and_clean(engine)
+
+
+def test_tokenize_counts_a_video_as_the_chat_prompt_does(server, client, admitted_ids):
+    """A video_url part's frames: 2 frames of 60x90 resized to at least 128 x 28 x 28 pixels (280x392) are one
+    temporal patch of 20x28 patches: 140 <|video_pad|> tokens, as the engine runs them."""
+    url, engine = server
+    frames = [data_url(random_image(60, 90, seed=s)) for s in (1, 2)]
+    messages = user({"type": "video_url", "video_url": {"url": frames}}, "what happens?")
+    body = tokenize(url, messages).json()
+    text = f"<|im_start|>user\n{IMAGE.replace('image', 'video')}what happens?<|im_end|>\n<|im_start|>assistant\n"
+    assert body["tokens"] == expanded(engine.tokenizer, text, [140], pad="<|video_pad|>")
+    out = client.chat.completions.create(model="vl", messages=messages, **GREEDY)
+    assert out.usage.prompt_tokens == body["count"] and admitted_ids[-1] == body["tokens"]
+    wait_idle_and_clean(engine)
+
+
+def test_tokenize_refuses_bad_parts_as_chat_does(server, media_host, media_dir):
+    """Every bad part chat refuses (hosts, local paths, the limit, decoding, preprocessing) is the same 400 from
+    /tokenize, naming the part; a fetch from an allowed host and a file under the allowed path count as chat does."""
+    url, engine = server
+    port, image = media_host
+    _, inside, _ = media_dir
+    cases = bad_cases(port, media_dir) + [
+        (["x", image_part(data_url(random_image(2, 500)))], 1, "aspect ratio must be below 200")]
+    for parts, index, words in cases:
+        response = tokenize(url, user(*parts))
+        chat = httpx.post(url + "/v1/chat/completions", json={"model": "vl", "messages": user(*parts)}, timeout=30)
+        assert response.status_code == 400, (parts, response.text)
+        assert response.json()["error"] == chat.json()["error"]
+        error = response.json()["error"]
+        assert error["param"] == f"messages[0].content[{index}]", (words, error)
+        assert words in error["message"] and error["param"] in error["message"], (words, error)
+    by_url = tokenize(url, user("see ", image_part(f"http://127.0.0.1:{port}/cat.png"))).json()
+    assert by_url["tokens"] == tokenize(url, user("see ", image_part(data_url(image)))).json()["tokens"]
+    by_file = tokenize(url, user(image_part(inside.as_uri()))).json()["tokens"]
+    assert by_file == tokenize(url, user(image_part(data_url(random_image(150, 100, seed=8))))).json()["tokens"]
+    wait_idle_and_clean(engine)
+
+
 def test_text_only_model_refuses_image_parts(tmp_path):
     engine = AsyncLLMEngine(LLMEngine(EngineConfig.from_kwargs(
         model=save_hf_dir(tiny_hf_model(seed=3), str(tmp_path)), dtype="float32", kv_cache_memory="8MiB")))
@@ -258,6 +349,11 @@ def test_text_only_model_refuses_image_parts(tmp_path):
             assert error["param"] == "messages[0].content[1]" and "text-only" in error["message"]
             ok = client.chat.completions.create(model="text", messages=user("plain ", "text"), max_tokens=2)
             assert ok.usage.completion_tokens <= 2
+            response = httpx.post(url + "/tokenize", timeout=30, json={"messages": user(
+                "describe", image_part(data_url(random_image(40, 40))))})
+            assert response.status_code == 400 and response.json()["error"] == error
+            text = httpx.post(url + "/tokenize", timeout=30, json={"messages": user("plain ", "text")}).json()
+            assert text["count"] == ok.usage.prompt_tokens
     finally:
         engine.shutdown()
 

@@ -79,6 +79,7 @@ class AsyncLLMEngine:
         self.vision = engine.resolved_model.config.vision  # None: a text-only model
         self.multimodal = engine.config.multimodal  # media limits and where media may come from
         self.image_processor = engine.input_processor.image_processor  # stateless: callers preprocess in threads
+        self._input_processor = engine.input_processor  # prompt_token_ids reads only its fixed settings
         self.max_waiting_requests = max_waiting_requests
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -125,6 +126,12 @@ class AsyncLLMEngine:
         self._send(_Add(request_id, prompt, params, stream, loop, done, lora_request))
         await asyncio.wrap_future(done)  # raises the engine's ValueError for a bad request
         return stream
+
+    def prompt_token_ids(self, prompt) -> list[int]:
+        """The token ids the engine would run for `prompt` (add_request's form), its image and video placeholders
+        expanded; on the caller's thread, without the engine's. Give images and videos preprocessed
+        (ProcessedImage, from image_processor) so it stays cheap. A bad prompt raises RequestError."""
+        return self._input_processor.prompt_token_ids(prompt)
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))

@@ -57,6 +57,11 @@ class InputProcessor:
         raise RequestError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}",
                            param="prompt")
 
+    def prompt_token_ids(self, prompt: str | list[int] | dict) -> list[int]:
+        """The token ids the engine runs for the prompt (its image and video placeholders expanded), unchecked
+        against the context length and the KV cache: what /tokenize reports. RequestError as process's."""
+        return self._images(prompt, self.tokenize(prompt)[1])[0]
+
     def process(self, prompt: str | list[int] | dict, params: SamplingParams,
                 lora_request: LoRARequest | None = None) -> ProcessedRequest:
         text, ids = self.tokenize(prompt)

@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException
 
 from qwenserve.config.server_config import SERVER_DEFAULTS, LoRAModulePath
 from qwenserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from qwenserve.entrypoints.openai.chat_prompt import ChatPromptRenderer
 from qwenserve.entrypoints.openai.metrics import ServerMetrics
 from qwenserve.entrypoints.openai.middleware import (
     BodySizeLimitMiddleware,
@@ -84,8 +85,10 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: st
     serving_models = OpenAIServingModels(served_model_names, engine.max_model_len, engine, lora_modules,
                                          vision=engine.vision is not None)
     serving_completion = OpenAIServingCompletion(engine, serving_models, server_metrics, max_n, log_requests)
-    serving_chat = OpenAIServingChat(engine, serving_models, server_metrics, max_n, log_requests)
-    serving_tokenization = OpenAIServingTokenization(engine.tokenizer, serving_models)
+    chat_prompts = ChatPromptRenderer(engine)  # one renderer: /tokenize counts what chat runs
+    serving_chat = OpenAIServingChat(engine, serving_models, server_metrics, max_n, log_requests,
+                                     renderer=chat_prompts)
+    serving_tokenization = OpenAIServingTokenization(engine.tokenizer, serving_models, chat_prompts)
 
     app = FastAPI(title="qwenserve")
     # the last added runs first: request id and access log, then CORS (preflights need no key), the key, the size
@@ -181,7 +184,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: st
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
-        return serving_tokenization.tokenize(body)
+        return await serving_tokenization.tokenize(body)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):

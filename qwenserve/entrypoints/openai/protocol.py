@@ -220,6 +220,8 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class TokenizeRequest(BaseModel):
+    """vLLM's: a prompt's tokens, or a conversation's as chat completions run it (content parts with images and
+    videos on a vision-language model, each placeholder expanded to its size in tokens)."""
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None

@@ -2,51 +2,39 @@
 the answer's tool calls come out as OpenAI `tool_calls` (tool_calls.py)."""
 from __future__ import annotations
 
-import asyncio
-import re
 import time
 
 from fastapi import Request
 
-from qwenserve.config.errors import RequestError
 from qwenserve.engine.outputs import RequestOutput
-from qwenserve.entrypoints.chat_content import MediaPart, load_media, media_placeholders, split_content
-from qwenserve.entrypoints.media import MediaConnector
+from qwenserve.entrypoints.openai.chat_prompt import ChatPromptRenderer, name_the_part
 from qwenserve.entrypoints.openai.protocol import ChatCompletionRequest
-from qwenserve.entrypoints.openai.serving_engine import (
-    APIError,
-    OpenAIServing,
-    chat_ids,
-    engine_ids_prefix,
-    request_id,
-    usage,
-)
+from qwenserve.entrypoints.openai.serving_engine import APIError, OpenAIServing, engine_ids_prefix, request_id, usage
 from qwenserve.entrypoints.openai.tool_calls import ToolCallParser, parse_tool_calls, tag_token_ids
 
 
 class OpenAIServingChat(OpenAIServing):
     PROMPT_PARAM = "messages"  # the prompt is made of the messages
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, renderer: ChatPromptRenderer | None = None, **kwargs):
+        """renderer: the conversations' prompts, shared with /tokenize (one of its own if None)."""
         super().__init__(*args, **kwargs)
         self.tool_tag_ids = tag_token_ids(self.tokenizer)
-        self.placeholders = media_placeholders(self.tokenizer, self.engine.vision)
-        self.media = MediaConnector.from_config(self.engine.multimodal)
+        self.renderer = renderer or ChatPromptRenderer(self.engine)
 
     async def create_chat_completion(self, body: ChatCompletionRequest, request: Request):
         model, lora_request = self.models.resolve(body.model)
         params = self._params(body, tool_tag_ids=self.tool_tag_ids)
         tools = body.tools_in_use
         tool_names = {tool["function"]["name"] for tool in tools or ()}
-        messages, parts, media = await self._media(body)
-        ids = chat_ids(self.tokenizer, messages, body.add_generation_prompt, tools)
-        prompt = {"prompt_token_ids": ids} | ({"multi_modal_data": media} if media else {})
+        chat = await self.renderer.render(body.messages, body.add_generation_prompt, tools)
         rid = f"chatcmpl-{request_id(request)}"
         created = int(time.time())
         try:
-            admitted = await self._admit([prompt], params, engine_ids_prefix(request, rid), body, lora_request)
+            admitted = await self._admit([chat.prompt], params, engine_ids_prefix(request, rid), body,
+                                         lora_request)
         except APIError as e:
-            raise _name_the_part(e, parts) from e
+            raise name_the_part(e, chat.parts) from e
         top_k = params.logprobs or 0
         if body.stream:
             first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -69,34 +57,6 @@ class OpenAIServingChat(OpenAIServing):
                             "finish_reason": finish_reason, "stop_reason": c.stop_reason})
         return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
                 "usage": usage([out])}
-
-    async def _media(self, body: ChatCompletionRequest) -> tuple[list, list[MediaPart], dict]:
-        """The messages with each media part replaced by its placeholder text, the media parts, and their media,
-        fetched, decoded and preprocessed in a thread (a remote URL takes up to --media-fetch-timeout, a video's
-        resize a while; the event loop and the engine's thread serve others meanwhile)."""
-        try:
-            split, parts = split_content([{"content": m.content} for m in body.messages], self.placeholders,
-                                         self.engine.multimodal.limit_mm_per_prompt)
-            messages = [m.model_copy(update={"content": s["content"]}) for m, s in zip(body.messages, split)]
-            media = await asyncio.to_thread(self._load_and_preprocess, parts) if parts else {}
-        except RequestError as e:
-            raise APIError(400, str(e), param=e.param) from e
-        return messages, parts, media
-
-    def _load_and_preprocess(self, parts: list[MediaPart]) -> dict[str, list]:
-        """multi_modal_data of ProcessedImages, which the engine takes as they are; a refusal names the part."""
-        media = load_media(parts, self.media)
-        processor = self.engine.image_processor
-        steps = {"image": processor.process, "video": processor.process_video}
-        out = {}
-        for kind, items in media.items():
-            out[kind] = []
-            for item, where in zip(items, [p.where for p in parts if p.modality == kind]):
-                try:
-                    out[kind].append(steps[kind](item))
-                except RequestError as e:
-                    raise RequestError(f"{where}: {e}", param=where) from None
-        return out
 
     def _delta_choices(self, n: int, top_k: int, tool_names: set[str], parallel_tool_calls: bool = True):
         """The streamed choices of each output: its new text and the logprobs not sent yet. With tools, the text
@@ -147,18 +107,6 @@ class OpenAIServingChat(OpenAIServing):
             content.append(item(token_id, entry[token_id].logprob)
                            | {"top_logprobs": [item(lp.token_id, lp.logprob) for lp in top]})
         return {"content": content}
-
-
-def _name_the_part(e: APIError, parts: list[MediaPart]) -> APIError:
-    """The engine names a refused image or video by its place in multi_modal_data (multi_modal_data.image[1]);
-    the client knows it as a content part (messages[0].content[3])."""
-    found = re.fullmatch(r"multi_modal_data\.(image|video)\[(\d+)\]", e.param or "")
-    if not found:
-        return e
-    kind, index = found.group(1), int(found.group(2))
-    where = [p.where for p in parts if p.modality == kind][index]
-    message = re.sub(rf"^{kind} {index + 1}: ", "", e.message)
-    return APIError(e.status, f"{where}: {message}", e.type, param=where, code=e.code)
 
 
 def _event_deltas(events: list, parallel_tool_calls: bool) -> list[dict]:
