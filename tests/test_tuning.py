@@ -18,7 +18,7 @@ from qwenserve.model.loader.ggml_tensor import GGMLTensor
 
 # class -> (bf16 dense route, 32-block tiles' dense threshold, K-quant tiles' dense threshold) with bf16 dense
 EXPECTED = {
-    "amx": ((32, torch.bfloat16), 512, None),
+    "amx": ((32, torch.bfloat16), 128, 96),
     "avx512_bf16": ((32, torch.bfloat16), sys.maxsize, sys.maxsize),
     "portable": ((128, torch.float32), sys.maxsize, sys.maxsize),
 }

@@ -77,8 +77,8 @@ PORTABLE = CPUTuning(
 )
 AVX512_BF16 = dataclasses.replace(PORTABLE, feature_class="avx512_bf16", dense_from_rows_bfloat16=32,
                                   dense_dtype_bfloat16=torch.bfloat16)
-AMX = dataclasses.replace(AVX512_BF16, feature_class="amx", tiles_dense_from_rows_32_blocks=512,
-                          tiles_dense_from_rows_k_quants=None)
+AMX = dataclasses.replace(AVX512_BF16, feature_class="amx", tiles_dense_from_rows_32_blocks=128,
+                          tiles_dense_from_rows_k_quants=96)
 TUNING_BY_CLASS = {t.feature_class: t for t in (AMX, AVX512_BF16, PORTABLE)}
 
 
