@@ -79,7 +79,6 @@ class AsyncLLMEngine:
         self.vision = engine.resolved_model.config.vision  # None: a text-only model
         self.multimodal = engine.config.multimodal  # media limits and where media may come from
         self.image_processor = engine.input_processor.image_processor  # stateless: callers preprocess in threads
-        self._input_processor = engine.input_processor  # prompt_token_ids reads only its fixed settings
         self.max_waiting_requests = max_waiting_requests
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -131,7 +130,7 @@ class AsyncLLMEngine:
         """The token ids the engine would run for `prompt` (add_request's form), its image and video placeholders
         expanded; on the caller's thread, without the engine's. Give images and videos preprocessed
         (ProcessedImage, from image_processor) so it stays cheap. A bad prompt raises RequestError."""
-        return self._input_processor.prompt_token_ids(prompt)
+        return self.engine.input_processor.prompt_token_ids(prompt)  # reads only its fixed settings
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))

@@ -16,11 +16,11 @@ from qwenserve.entrypoints.openai.tool_calls import ToolCallParser, parse_tool_c
 class OpenAIServingChat(OpenAIServing):
     PROMPT_PARAM = "messages"  # the prompt is made of the messages
 
-    def __init__(self, *args, renderer: ChatPromptRenderer | None = None, **kwargs):
-        """renderer: the conversations' prompts, shared with /tokenize (one of its own if None)."""
+    def __init__(self, *args, renderer: ChatPromptRenderer, **kwargs):
+        """renderer: the conversations' prompts, shared with /tokenize."""
         super().__init__(*args, **kwargs)
         self.tool_tag_ids = tag_token_ids(self.tokenizer)
-        self.renderer = renderer or ChatPromptRenderer(self.engine)
+        self.renderer = renderer
 
     async def create_chat_completion(self, body: ChatCompletionRequest, request: Request):
         model, lora_request = self.models.resolve(body.model)
