@@ -366,6 +366,59 @@ def test_the_tile_kernel_is_built_where_the_variant_has_vnni(ops, variant):
     assert not ops.ggml_mm_tiles(int(Q.Q2_K))
 
 
+def test_the_amx_kernel_runs_where_the_cpu_has_amx(ops, variant):
+    """ggml_mm's AMX kernel is built into the AVX512-BF16 variant (every AMX CPU has AVX512-BF16) and runs where
+    the CPU reports AMX-TILE and AMX-INT8; ggml_allow_amx(False) keeps it off."""
+    expected = "avx512_bf16" in variant.needs and {"amx_tile", "amx_int8"} <= this_cpu_flags()
+    assert ops.ggml_amx_tiles() == expected
+    ops.ggml_allow_amx(False)
+    try:
+        assert not ops.ggml_amx_tiles()
+    finally:
+        ops.ggml_allow_amx(True)
+    assert ops.ggml_amx_tiles() == expected
+
+
+AMX_TYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
+
+
+def _mm_with_and_without_amx(ops, x, weights, qtype, n, levels=1):
+    got = []
+    try:
+        for allow in (True, False):
+            ops.ggml_allow_amx(allow)
+            y = torch.empty(x.shape[0], n, dtype=x.dtype)
+            ops.ggml_mm(y, x, weights, int(qtype), DECODE_GROUP, None, levels)
+            got.append(y)
+    finally:
+        ops.ggml_allow_amx(True)
+    return got
+
+
+@pytest.mark.parametrize("qtype", AMX_TYPES, ids=lambda q: q.name)
+def test_the_amx_kernel_gives_the_vnni_sweeps_results(ops, qtype):
+    """The AMX kernel (K-quants in the decode layout, from 32 activation rows, weight rows a multiple of 16) forms
+    the same integer sum per super-block as the AVX512-VNNI sweep and scales it the same way: the same results bit
+    for bit, in every dtype, with one and two activation codes, for whole and partial pairs of 16-row groups; and
+    exact at the largest codes, where a wrong split of scale x code into its two bytes would show."""
+    if not ops.ggml_amx_tiles():
+        pytest.skip("this variant or CPU runs no AMX kernel")
+    k, n = 512, 48
+    raw = random_blocks(qtype, n, k, seed=int(qtype) + 77, scale=0.02)
+    grouped = GGMLTensor.from_bytes(raw, qtype, (n, k)).grouped().raw
+    for m in (32, 33, 47, 64, 100):
+        for dtype in DTYPES:
+            x = (torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 2).to(dtype)
+            for levels in (1, 2):
+                amx, vnni = _mm_with_and_without_amx(ops, x, grouped, qtype, n, levels)
+                assert torch.equal(amx, vnni), (m, dtype, levels)
+    raw, grouped, _, _ = exact_cases(qtype, n=48)
+    x = exact_activations(33, k, 256, seed=33)
+    expected = x.double() @ reference_dequant(raw, qtype, k).double().T
+    amx, vnni = _mm_with_and_without_amx(ops, x, grouped, qtype, 48)
+    assert torch.equal(amx.double(), expected) and torch.equal(vnni.double(), expected)
+
+
 def test_activations_round_half_away_from_zero_as_ggml(ops):
     """Activation codes are round(x / d) with ties away from zero (ggml's quantize_row_q8_0_ref, roundf): with
     d = 1 (max |x| = 127) and Q8_0 weight rows that pick one input each, the outputs are the codes themselves, on

@@ -41,6 +41,9 @@ class CPUTuning:
     tiles_dense_from_rows_32_blocks: int
     # the same for layers with K-quant blocks; None: the dense route's own threshold (tuning.md#tiles)
     tiles_dense_from_rows_k_quants: int | None
+    # the same where ggml_mm runs its AMX kernel for the K-quants (ggml_amx_tiles); None: as without it
+    # (tuning.md#tiles)
+    amx_tiles_dense_from_rows_k_quants: int | None
     # with the tile kernel and a float32 dense route (float32 and fp16 runs) (tuning.md#tiles)
     tiles_dense_from_rows_float32: int
     # int8 codes per activation in a float32 run: two follow the exact path's greedy tokens (tuning.md#activation-codes)
@@ -67,6 +70,7 @@ PORTABLE = CPUTuning(
     dense_from_rows_float16=128,
     tiles_dense_from_rows_32_blocks=NEVER,
     tiles_dense_from_rows_k_quants=NEVER,
+    amx_tiles_dense_from_rows_k_quants=None,
     tiles_dense_from_rows_float32=NEVER,
     activation_codes_float32=2,
     activation_codes_half=1,
@@ -78,7 +82,7 @@ PORTABLE = CPUTuning(
 AVX512_BF16 = dataclasses.replace(PORTABLE, feature_class="avx512_bf16", dense_from_rows_bfloat16=32,
                                   dense_dtype_bfloat16=torch.bfloat16)
 AMX = dataclasses.replace(AVX512_BF16, feature_class="amx", tiles_dense_from_rows_32_blocks=128,
-                          tiles_dense_from_rows_k_quants=96)
+                          tiles_dense_from_rows_k_quants=96, amx_tiles_dense_from_rows_k_quants=512)
 TUNING_BY_CLASS = {t.feature_class: t for t in (AMX, AVX512_BF16, PORTABLE)}
 
 

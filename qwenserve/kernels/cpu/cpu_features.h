@@ -68,6 +68,15 @@
 #define QS_X86_AVX512_BF16 0
 #endif
 
+// AMX int8 tiles (Sapphire Rapids and later Xeons, all of which have AVX512-BF16): the builds for such CPUs carry
+// the AMX kernel with its instructions enabled per function (arch/x86/amx_tiles.h), and run it only where CPUID and
+// the OS allow, so the variant still runs on AVX512-BF16 CPUs without AMX (Zen 4, Zen 5)
+#if QS_X86_AVX512_VNNI && QS_X86_AVX512_BF16 && defined(__x86_64__) && (defined(__clang__) || __GNUC__ >= 11)
+#define QS_X86_AMX_BUILD 1
+#else
+#define QS_X86_AMX_BUILD 0
+#endif
+
 // AArch64 Advanced SIMD (NEON), which every aarch64 CPU has, with its fp16 <-> fp32 conversions: the ARM ggml
 // kernels (arch/arm/), whose integer dot products fall back to widening multiplies without dotprod
 #if defined(__aarch64__) && defined(__ARM_NEON)

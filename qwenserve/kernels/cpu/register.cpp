@@ -33,6 +33,8 @@ QS_TORCH_LIBRARY(QS_OPS_NAMESPACE, m) {
   m.def("ggml_mm(Tensor(a!) out, Tensor x, Tensor raw, int ggml_type, int group=1, Tensor? bias=None, "
         "int act_levels=1) -> ()");
   m.def("ggml_mm_tiles(int ggml_type) -> bool", &qwenserve::cpu::ggml_mm_tiles);  // no tensor: no dispatch key
+  m.def("ggml_amx_tiles() -> bool", &qwenserve::cpu::ggml_amx_tiles);
+  m.def("ggml_allow_amx(bool allow) -> ()", &qwenserve::cpu::ggml_allow_amx);
   using qwenserve::cpu::DecodeLayers;
   m.class_<DecodeLayers>("DecodeLayers")
       .def(torch::init<int64_t, int64_t, int64_t, double, double, int64_t, at::Tensor>())

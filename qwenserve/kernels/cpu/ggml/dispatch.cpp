@@ -13,8 +13,10 @@
 // with the bundled model's weights from memory, 1.0x (Q6_K) to 1.5x (Q5_0) the speed of row by row in the file's
 // layout. With AVX512-VNNI, from 4 activation rows a group of 8 weight rows is decoded once per call and swept by
 // all activation rows, 16 at a time (mm_tiles); from 16 activation rows, groups of 16 weight rows, one per int32
-// lane (mm_tiles16). On AVX2 without AVX512-VNNI the same from kAvx2TileMinRows activation rows in 256-bit vectors:
-// a group of 8 weight rows decoded once per call, one row per int32 lane, swept by all activation rows 8 at a time
+// lane (mm_tiles16); where the CPU has AMX, the K-quants from kAmxMinRows activation rows go to AMX tile
+// multiplies instead (mm_amx: 16 activation rows x 16 weight rows x 64 codes each). On AVX2 without AVX512-VNNI
+// the same from kAvx2TileMinRows activation rows in 256-bit vectors: a group of 8 weight rows decoded once per
+// call, one row per int32 lane, swept by all activation rows 8 at a time
 // (mm_avx2_tiles: maddubs + madd with int16 sums kept exact, or vpdpbusd where the build has 256-bit VNNI). On
 // ARM with i8mm the same from 4 activation rows: a group of 8 weight rows decoded once per call into smmla's
 // operands and swept by the activation rows two at a time (arch/arm/i8mm.h).
@@ -27,6 +29,7 @@
 //   arch/x86/avx512.h      the AVX-512 q8_0 activation quantizer and 512-bit decode kernels: the 4-bit
 //                          32-blocks' (dot8_legacy512) and the K-quants' (dot8_kquant512)
 //   arch/x86/vnni_tiles.h  the AVX512-VNNI tile kernels for many activation rows
+//   arch/x86/amx_tiles.h   the AMX int8 tile kernel for the K-quants (AVX512-BF16 builds, where CPU and OS allow)
 //   arch/x86/avx2_tiles.h  the 256-bit tile kernels for many activation rows, where the build lacks AVX512-VNNI
 //   arch/x86/dequantize.h  x86 block dequantizing
 //   arch/arm/neon.h        aarch64 NEON block decoders, activation quantizers and block dequantizing
@@ -50,6 +53,7 @@
 #include "ops.h"
 
 #if QS_X86_AVX2
+#include "arch/x86/amx_tiles.h"
 #include "arch/x86/avx2.h"
 #include "arch/x86/avx2_tiles.h"
 #include "arch/x86/avx512.h"
@@ -165,6 +169,13 @@ void mm_quantized(T* out, int64_t ldo, int64_t levels, const std::vector<typenam
   const int64_t bstride = w.block_stride();
 #if QS_X86_AVX512_VNNI
   if constexpr (x86::kTiles<Kernel>) {
+#if QS_X86_AMX_BUILD
+    if constexpr (x86::kAmxTiles<Kernel>)
+      if (w.group == kDecodeGroup && M >= x86::kAmxMinRows && N % 16 == 0 && x86::use_amx()) {
+        x86::mm_amx<Kernel>(out, ldo, levels, act.data(), M, nb, w, N, bias);
+        return;
+      }
+#endif
     if (w.group == kDecodeGroup && M >= x86::kTile16MinRows && N % 16 == 0) {
       x86::mm_tiles16<Kernel>(out, ldo, levels, act.data(), M, nb, w, N, bias);
       return;
@@ -238,7 +249,8 @@ void mm_impl(T* out, int64_t ldo, const T* x, int64_t M, int64_t K, const Layout
   const int64_t nb = K / Kernel::kBlock;
   // act_levels 2: each row's remainder runs as one more activation row beside it, through the same kernels (the
   // weights are decoded once for both), and the stores sum the pair
-  std::vector<typename Kernel::Act> act(static_cast<size_t>(act_levels * M * nb));
+  // rows rounded up to 16 and zero past M: the AMX kernel's A tiles read whole groups of 16 rows
+  std::vector<typename Kernel::Act> act(static_cast<size_t>((act_levels * M + 15) / 16 * 16 * nb));
   quantize_rows(x, M, K, act_levels, act.data());
   mm_quantized<Kernel>(out, ldo, act_levels, act, act_levels * M, nb, w, N, bias);
 }
@@ -358,6 +370,26 @@ bool ggml_mm_tiles(int64_t ggml_type) {
     case kQ4_0: case kQ4_1: case kQ5_0: case kQ8_0: case kQ4_K: case kQ5_K: case kQ6_K: return QS_X86_AVX512_VNNI;
     default: return false;
   }
+}
+
+// Whether ggml_mm runs the AMX int8 tile kernel from 16 activation rows (the build has it, the CPU and the OS allow
+// it, and ggml_allow_amx has not turned it off)
+bool ggml_amx_tiles() {
+#if QS_X86_AMX_BUILD
+  return ggml::x86::use_amx();
+#else
+  return false;
+#endif
+}
+
+// Lets ggml_mm take the AMX kernel where it can (the default), or keeps it to the AVX512-VNNI sweeps: benchmarks
+// and tests compare the two on one CPU
+void ggml_allow_amx(bool allow) {
+#if QS_X86_AMX_BUILD
+  ggml::x86::amx_allowed().store(allow);
+#else
+  (void)allow;
+#endif
 }
 
 }  // namespace qwenserve::cpu

@@ -38,9 +38,9 @@ K_QUANTS = {Q.Q4_K, Q.Q5_K, Q.Q6_K}
 
 
 def tiles_dense_from_rows(layer: nn.Module) -> int | None:
-    """From how many rows the layer should take the dense route, given ggml_mm's VNNI tile kernel; None where the
-    tile kernel does not run every segment (or the table leaves the dense route's own threshold): docs/tuning.md,
-    "Tiles"."""
+    """From how many rows the layer should take the dense route, given ggml_mm's tile kernels (VNNI, and AMX for
+    the K-quants where it runs); None where the tile kernel does not run every segment (or the table leaves the
+    dense route's own threshold): docs/tuning.md, "Tiles"."""
     tiles = getattr(layer.ggml_ops, "ggml_mm_tiles", None)
     segments = [segment for _, segment in layer.segments]
     if tiles is None or not all(isinstance(s, GGMLTensor) and s.group != 1 and tiles(int(s.ggml_type))
@@ -50,6 +50,9 @@ def tiles_dense_from_rows(layer: nn.Module) -> int | None:
     if layer.dense_dtype == torch.float32:
         return tuning.tiles_dense_from_rows_float32
     if any(s.ggml_type in K_QUANTS for s in segments):
+        amx = getattr(layer.ggml_ops, "ggml_amx_tiles", None)
+        if tuning.amx_tiles_dense_from_rows_k_quants is not None and amx is not None and amx():
+            return tuning.amx_tiles_dense_from_rows_k_quants
         return tuning.tiles_dense_from_rows_k_quants
     return tuning.tiles_dense_from_rows_32_blocks
 
