@@ -37,7 +37,7 @@ void ggml_mm(at::Tensor& out, const at::Tensor& x, const at::Tensor& raw, int64_
              const std::optional<at::Tensor>& bias, int64_t act_levels);
 // whether ggml_mm has the VNNI tile kernel for this type (weights in the decode layout, 4 or more activation rows)
 bool ggml_mm_tiles(int64_t ggml_type);
-// whether ggml_mm runs the AMX int8 tile kernel (from 16 activation rows), and a switch that keeps it off
+// whether ggml_mm runs the AMX int8 tile kernel (the K-quants, from 32 activation rows), and a switch that keeps it off
 bool ggml_amx_tiles();
 void ggml_allow_amx(bool allow);
 

@@ -243,14 +243,23 @@ void mm_quantized(T* out, int64_t ldo, int64_t levels, const std::vector<typenam
   });
 }
 
+// The quantized activation rows to allocate for `rows`: where the AMX kernel may take them, rounded up to 16 (its
+// A tiles read whole groups of 16; the rows past `rows` stay zero), else just `rows` (a decode step's one row is
+// not padded to 16)
+inline int64_t activation_rows_allocated(int64_t rows) {
+#if QS_X86_AMX_BUILD
+  if (rows >= x86::kAmxMinRows) return (rows + 15) / 16 * 16;
+#endif
+  return rows;
+}
+
 template <typename Kernel, typename T>
 void mm_impl(T* out, int64_t ldo, const T* x, int64_t M, int64_t K, const Layout& w, int64_t N, const float* bias,
              int64_t act_levels) {
   const int64_t nb = K / Kernel::kBlock;
   // act_levels 2: each row's remainder runs as one more activation row beside it, through the same kernels (the
   // weights are decoded once for both), and the stores sum the pair
-  // rows rounded up to 16 and zero past M: the AMX kernel's A tiles read whole groups of 16 rows
-  std::vector<typename Kernel::Act> act(static_cast<size_t>((act_levels * M + 15) / 16 * 16 * nb));
+  std::vector<typename Kernel::Act> act(static_cast<size_t>(activation_rows_allocated(act_levels * M) * nb));
   quantize_rows(x, M, K, act_levels, act.data());
   mm_quantized<Kernel>(out, ldo, act_levels, act, act_levels * M, nb, w, N, bias);
 }
@@ -372,8 +381,8 @@ bool ggml_mm_tiles(int64_t ggml_type) {
   }
 }
 
-// Whether ggml_mm runs the AMX int8 tile kernel from 16 activation rows (the build has it, the CPU and the OS allow
-// it, and ggml_allow_amx has not turned it off)
+// Whether ggml_mm runs the AMX int8 tile kernel for the K-quants from kAmxMinRows activation rows (the build has
+// it, the CPU and the OS allow it, and ggml_allow_amx has not turned it off)
 bool ggml_amx_tiles() {
 #if QS_X86_AMX_BUILD
   return ggml::x86::use_amx();
