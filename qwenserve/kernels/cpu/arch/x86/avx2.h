@@ -40,10 +40,12 @@ inline __m256i dot_u8s8(__m256i u, __m256i s) {
 #endif
 }
 
-// 16 packed bytes -> 32 codes: the low nibbles (weights 0..15), then the high nibbles (weights 16..31)
+// 16 packed bytes -> 32 codes: the low nibbles (weights 0..15), then the high nibbles (weights 16..31). The bytes
+// come in twice through the load port and the upper copy is shifted per dword, where an insert of the shifted half
+// took one more ALU op, on the shuffle port (a Q5_0 row at one activation row: ~0.9x the time, docs/performance.md)
 inline __m256i nibbles32(const uint8_t* p) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(0x0F));
+  const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_and_si256(_mm256_srlv_epi32(b, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(0x0F));
 }
 
 // byte i = 0x10 where bit i of h is set, else 0
