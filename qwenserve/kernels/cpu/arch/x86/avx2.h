@@ -40,9 +40,9 @@ inline __m256i dot_u8s8(__m256i u, __m256i s) {
 #endif
 }
 
-// 16 packed bytes -> 32 codes: the low nibbles (weights 0..15), then the high nibbles (weights 16..31). The bytes
-// come in twice through the load port and the upper copy is shifted per dword, where an insert of the shifted half
-// took one more ALU op, on the shuffle port (a Q5_0 row at one activation row: ~0.9x the time, docs/performance.md)
+// 16 packed bytes -> 32 codes: the low nibbles (weights 0..15), then the high nibbles (weights 16..31). One
+// broadcast load puts the bytes in both halves and the upper half is shifted per dword: an insert of a shifted copy
+// took one ALU op more, on the shuffle port (docs/performance.md, the AVX2 section)
 inline __m256i nibbles32(const uint8_t* p) {
   const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_and_si256(_mm256_srlv_epi32(b, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(0x0F));
