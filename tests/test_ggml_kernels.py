@@ -419,6 +419,43 @@ def test_the_amx_kernel_gives_the_vnni_sweeps_results(ops, qtype):
     assert torch.equal(amx.double(), expected) and torch.equal(vnni.double(), expected)
 
 
+def test_the_amx_bf16_kernel_runs_where_the_cpu_has_amx(ops, variant):
+    """ggml_mm's AMX bf16 kernel for the 32-blocks is built into the AVX512-BF16 variant and runs where the CPU
+    reports AMX-TILE and AMX-BF16; ggml_allow_amx(False) keeps it off too."""
+    expected = "avx512_bf16" in variant.needs and {"amx_tile", "amx_bf16"} <= this_cpu_flags()
+    assert ops.ggml_amx_bf16_tiles() == expected
+    ops.ggml_allow_amx(False)
+    try:
+        assert not ops.ggml_amx_bf16_tiles()
+    finally:
+        ops.ggml_allow_amx(True)
+
+
+AMX_BF16_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0]
+
+
+@pytest.mark.parametrize("qtype", AMX_BF16_TYPES, ids=lambda q: q.name)
+def test_the_amx_bf16_kernel_multiplies_the_dequantized_bf16_weights(ops, qtype):
+    """The AMX bf16 kernel (32-blocks in the decode layout, bf16 runs, from 32 activation rows, weight rows a
+    multiple of 16) multiplies the activations as they are by the weights ggml_dequantize gives in bf16, summing in
+    float: within one bf16 rounding of the float64 product, for whole and partial groups of 16 activation rows and
+    pairs of weight groups. The int8 path it replaces quantizes the activations and misses that bound, so the test
+    also shows which kernel ran."""
+    if not ops.ggml_amx_bf16_tiles():
+        pytest.skip("this variant or CPU runs no AMX bf16 kernel")
+    k, n = 320, 48
+    raw = random_blocks(qtype, n, k, seed=int(qtype) + 91, scale=0.02)
+    grouped = GGMLTensor.from_bytes(raw, qtype, (n, k)).grouped().raw
+    weights = ops.ggml_dequantize(grouped, int(qtype), k, torch.bfloat16, DECODE_GROUP).double()
+    for m in (32, 33, 47, 64, 100):
+        x = (torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 2).to(torch.bfloat16)
+        exact = x.double() @ weights.T
+        amx, int8 = _mm_with_and_without_amx(ops, x, grouped, qtype, n)
+        ulp = 2.0 ** (torch.floor(torch.log2(exact.abs().clamp_min(1e-30))) - 7)
+        assert ((amx.double() - exact).abs() <= ulp).all(), m
+        assert ((int8.double() - exact).abs() > ulp).any(), m
+
+
 def test_activations_round_half_away_from_zero_as_ggml(ops):
     """Activation codes are round(x / d) with ties away from zero (ggml's quantize_row_q8_0_ref, roundf): with
     d = 1 (max |x| = 127) and Q8_0 weight rows that pick one input each, the outputs are the codes themselves, on

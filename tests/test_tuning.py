@@ -16,12 +16,12 @@ from qwenserve.model.layers.quantization.ggml_blocks import (
 )
 from qwenserve.model.loader.ggml_tensor import GGMLTensor
 
-# class -> (bf16 dense route, 32-block tiles' dense threshold, K-quant tiles' dense threshold, the same where the
-# AMX kernel runs the K-quants) with bf16 dense
+# class -> (bf16 dense route, 32-block tiles' dense threshold, K-quant tiles' dense threshold, the same two where the
+# AMX kernels run) with bf16 dense
 EXPECTED = {
-    "amx": ((32, torch.bfloat16), 128, 96, 512),
-    "avx512_bf16": ((32, torch.bfloat16), sys.maxsize, sys.maxsize, sys.maxsize),
-    "portable": ((128, torch.float32), sys.maxsize, sys.maxsize, sys.maxsize),
+    "amx": ((32, torch.bfloat16), 128, 96, 512, 512),
+    "avx512_bf16": ((32, torch.bfloat16), sys.maxsize, sys.maxsize, sys.maxsize, sys.maxsize),
+    "portable": ((128, torch.float32), sys.maxsize, sys.maxsize, sys.maxsize, sys.maxsize),
 }
 
 
@@ -39,13 +39,14 @@ def _tiled_layer(table, dense_dtype, ggml_type, amx=False):
     amx, kernels whose AMX kernel runs)."""
     segment = GGMLTensor(torch.zeros(8, 34, dtype=torch.uint8), ggml_type, (8, 32), group=8)
     return SimpleNamespace(tuning=table, dense_dtype=dense_dtype, segments=[(0, segment)],
-                           ggml_ops=SimpleNamespace(ggml_mm_tiles=lambda _: True, ggml_amx_tiles=lambda: amx))
+                           ggml_ops=SimpleNamespace(ggml_mm_tiles=lambda _: True, ggml_amx_tiles=lambda: amx,
+                                                    ggml_amx_bf16_tiles=lambda: amx))
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_each_class_chooses_the_measured_thresholds(name):
     table = tuning.TUNING_BY_CLASS[name]
-    bf16_route, tiles_32_blocks, tiles_k_quants, amx_tiles_k_quants = EXPECTED[name]
+    bf16_route, tiles_32_blocks, tiles_k_quants, amx_tiles_32_blocks, amx_tiles_k_quants = EXPECTED[name]
     assert table.feature_class == name
     assert dense_route(torch.float32, table) == (64, torch.float32)
     assert dense_route(torch.bfloat16, table) == bf16_route
@@ -55,11 +56,11 @@ def test_each_class_chooses_the_measured_thresholds(name):
         tiles_32_blocks if bf16_dense == torch.bfloat16 else sys.maxsize)
     assert tiles_dense_from_rows(_tiled_layer(table, bf16_dense, Q.Q6_K)) == (
         tiles_k_quants if bf16_dense == torch.bfloat16 else sys.maxsize)
-    # the AMX kernel runs the K-quants only: the 32-weight blocks keep the VNNI sweep's threshold
+    # where the AMX kernels run: int8 for the K-quants, bf16 for the 32-weight blocks (a bf16 dense route only)
     assert tiles_dense_from_rows(_tiled_layer(table, bf16_dense, Q.Q6_K, amx=True)) == (
         amx_tiles_k_quants if bf16_dense == torch.bfloat16 else sys.maxsize)
     assert tiles_dense_from_rows(_tiled_layer(table, bf16_dense, Q.Q5_0, amx=True)) == (
-        tiles_32_blocks if bf16_dense == torch.bfloat16 else sys.maxsize)
+        amx_tiles_32_blocks if bf16_dense == torch.bfloat16 else sys.maxsize)
     assert tiles_dense_from_rows(_tiled_layer(table, torch.float32, Q.Q5_0)) == sys.maxsize
     assert tiles_dense_from_rows(_tiled_layer(table, torch.float32, Q.Q4_K)) == sys.maxsize
     assert (activation_levels(torch.float32, table), activation_levels(torch.bfloat16, table),

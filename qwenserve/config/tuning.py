@@ -39,6 +39,9 @@ class CPUTuning:
     # with ggml_mm's int8 tile kernel on every segment and a bf16 dense route: from how many rows the 32-weight
     # block types still go dense (tuning.md#tiles)
     tiles_dense_from_rows_32_blocks: int
+    # the same where ggml_mm runs its AMX bf16 kernel for them (ggml_amx_bf16_tiles); None: as without it
+    # (tuning.md#tiles)
+    amx_tiles_dense_from_rows_32_blocks: int | None
     # the same for layers with K-quant blocks; None: the dense route's own threshold (tuning.md#tiles)
     tiles_dense_from_rows_k_quants: int | None
     # the same where ggml_mm runs its AMX kernel for the K-quants (ggml_amx_tiles); None: as without it
@@ -69,6 +72,7 @@ PORTABLE = CPUTuning(
     dense_dtype_bfloat16=torch.float32,
     dense_from_rows_float16=128,
     tiles_dense_from_rows_32_blocks=NEVER,
+    amx_tiles_dense_from_rows_32_blocks=None,
     tiles_dense_from_rows_k_quants=NEVER,
     amx_tiles_dense_from_rows_k_quants=None,
     tiles_dense_from_rows_float32=NEVER,
@@ -82,7 +86,8 @@ PORTABLE = CPUTuning(
 AVX512_BF16 = dataclasses.replace(PORTABLE, feature_class="avx512_bf16", dense_from_rows_bfloat16=32,
                                   dense_dtype_bfloat16=torch.bfloat16)
 AMX = dataclasses.replace(AVX512_BF16, feature_class="amx", tiles_dense_from_rows_32_blocks=128,
-                          tiles_dense_from_rows_k_quants=96, amx_tiles_dense_from_rows_k_quants=512)
+                          amx_tiles_dense_from_rows_32_blocks=512, tiles_dense_from_rows_k_quants=96,
+                          amx_tiles_dense_from_rows_k_quants=512)
 TUNING_BY_CLASS = {t.feature_class: t for t in (AMX, AVX512_BF16, PORTABLE)}
 
 

@@ -39,6 +39,7 @@ void ggml_mm(at::Tensor& out, const at::Tensor& x, const at::Tensor& raw, int64_
 bool ggml_mm_tiles(int64_t ggml_type);
 // whether ggml_mm runs the AMX int8 tile kernel (the K-quants, from 32 activation rows), and a switch that keeps it off
 bool ggml_amx_tiles();
+bool ggml_amx_bf16_tiles();
 void ggml_allow_amx(bool allow);
 
 }  // namespace qwenserve::cpu

@@ -34,6 +34,7 @@ QS_TORCH_LIBRARY(QS_OPS_NAMESPACE, m) {
         "int act_levels=1) -> ()");
   m.def("ggml_mm_tiles(int ggml_type) -> bool", &qwenserve::cpu::ggml_mm_tiles);  // no tensor: no dispatch key
   m.def("ggml_amx_tiles() -> bool", &qwenserve::cpu::ggml_amx_tiles);
+  m.def("ggml_amx_bf16_tiles() -> bool", &qwenserve::cpu::ggml_amx_bf16_tiles);
   m.def("ggml_allow_amx(bool allow) -> ()", &qwenserve::cpu::ggml_allow_amx);
   using qwenserve::cpu::DecodeLayers;
   m.class_<DecodeLayers>("DecodeLayers")

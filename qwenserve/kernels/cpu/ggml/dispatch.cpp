@@ -14,9 +14,10 @@
 // layout. With AVX512-VNNI, from 4 activation rows a group of 8 weight rows is decoded once per call and swept by
 // all activation rows, 16 at a time (mm_tiles); from 16 activation rows, groups of 16 weight rows, one per int32
 // lane (mm_tiles16); where the CPU has AMX, the K-quants from kAmxMinRows activation rows go to AMX tile
-// multiplies instead (mm_amx: 16 activation rows x 16 weight rows x 64 codes each). On AVX2 without AVX512-VNNI
-// the same from kAvx2TileMinRows activation rows in 256-bit vectors: a group of 8 weight rows decoded once per
-// call, one row per int32 lane, swept by all activation rows 8 at a time
+// multiplies instead (mm_amx: 16 activation rows x 16 weight rows x 64 codes each), and in bf16 runs the 32-blocks
+// from kAmxBf16MinRows rows to bf16 ones on weights decoded to bf16, the activations unquantized (mm_amx_bf16).
+// On AVX2 without AVX512-VNNI the same from kAvx2TileMinRows activation rows in 256-bit vectors: a group of 8
+// weight rows decoded once per call, one row per int32 lane, swept by all activation rows 8 at a time
 // (mm_avx2_tiles: maddubs + madd with int16 sums kept exact, or vpdpbusd where the build has 256-bit VNNI). On
 // ARM with i8mm the same from 4 activation rows: a group of 8 weight rows decoded once per call into smmla's
 // operands and swept by the activation rows two at a time (arch/arm/i8mm.h).
@@ -30,6 +31,7 @@
 //                          32-blocks' (dot8_legacy512) and the K-quants' (dot8_kquant512)
 //   arch/x86/vnni_tiles.h  the AVX512-VNNI tile kernels for many activation rows
 //   arch/x86/amx_tiles.h   the AMX int8 tile kernel for the K-quants (AVX512-BF16 builds, where CPU and OS allow)
+//   arch/x86/amx_bf16_tiles.h  the AMX bf16 tile kernel for the 32-blocks in bf16 runs (the same builds)
 //   arch/x86/avx2_tiles.h  the 256-bit tile kernels for many activation rows, where the build lacks AVX512-VNNI
 //   arch/x86/dequantize.h  x86 block dequantizing
 //   arch/arm/neon.h        aarch64 NEON block decoders, activation quantizers and block dequantizing
@@ -53,6 +55,7 @@
 #include "ops.h"
 
 #if QS_X86_AVX2
+#include "arch/x86/amx_bf16_tiles.h"
 #include "arch/x86/amx_tiles.h"
 #include "arch/x86/avx2.h"
 #include "arch/x86/avx2_tiles.h"
@@ -257,6 +260,14 @@ template <typename Kernel, typename T>
 void mm_impl(T* out, int64_t ldo, const T* x, int64_t M, int64_t K, const Layout& w, int64_t N, const float* bias,
              int64_t act_levels) {
   const int64_t nb = K / Kernel::kBlock;
+#if QS_X86_AMX_BUILD
+  if constexpr (std::is_same_v<T, at::BFloat16> && x86::kAmxBf16Tiles<Kernel>)
+    if (act_levels == 1 && w.group == kDecodeGroup && M >= x86::kAmxBf16MinRows && N % 16 == 0 &&
+        x86::use_amx_bf16()) {
+      x86::mm_amx_bf16<Kernel>(out, ldo, x, M, K, w, N, bias);
+      return;
+    }
+#endif
   // act_levels 2: each row's remainder runs as one more activation row beside it, through the same kernels (the
   // weights are decoded once for both), and the stores sum the pair
   std::vector<typename Kernel::Act> act(static_cast<size_t>(activation_rows_allocated(act_levels * M) * nb));
@@ -391,7 +402,17 @@ bool ggml_amx_tiles() {
 #endif
 }
 
-// Lets ggml_mm take the AMX kernel where it can (the default), or keeps it to the AVX512-VNNI sweeps: benchmarks
+// Whether ggml_mm runs the AMX bf16 tile kernel for the 32-blocks in bf16 runs from kAmxBf16MinRows activation
+// rows (as ggml_amx_tiles, with AMX-BF16)
+bool ggml_amx_bf16_tiles() {
+#if QS_X86_AMX_BUILD
+  return ggml::x86::use_amx_bf16();
+#else
+  return false;
+#endif
+}
+
+// Lets ggml_mm take the AMX kernels where it can (the default), or keeps it to the AVX512-VNNI sweeps: benchmarks
 // and tests compare the two on one CPU
 void ggml_allow_amx(bool allow) {
 #if QS_X86_AMX_BUILD

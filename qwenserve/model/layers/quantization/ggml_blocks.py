@@ -38,8 +38,8 @@ K_QUANTS = {Q.Q4_K, Q.Q5_K, Q.Q6_K}
 
 
 def tiles_dense_from_rows(layer: nn.Module) -> int | None:
-    """From how many rows the layer should take the dense route, given ggml_mm's tile kernels (VNNI, and AMX for
-    the K-quants where it runs); None where the tile kernel does not run every segment (or the table leaves the
+    """From how many rows the layer should take the dense route, given ggml_mm's tile kernels (VNNI, and AMX where
+    it runs: int8 for the K-quants, bf16 for the 32-blocks in bf16 runs); None where the tile kernel does not run every segment (or the table leaves the
     dense route's own threshold): docs/tuning.md, "Tiles"."""
     tiles = getattr(layer.ggml_ops, "ggml_mm_tiles", None)
     segments = [segment for _, segment in layer.segments]
@@ -54,6 +54,10 @@ def tiles_dense_from_rows(layer: nn.Module) -> int | None:
         if tuning.amx_tiles_dense_from_rows_k_quants is not None and amx is not None and amx():
             return tuning.amx_tiles_dense_from_rows_k_quants
         return tuning.tiles_dense_from_rows_k_quants
+    amx_bf16 = getattr(layer.ggml_ops, "ggml_amx_bf16_tiles", None)
+    if (tuning.amx_tiles_dense_from_rows_32_blocks is not None and layer.dense_dtype == torch.bfloat16
+            and amx_bf16 is not None and amx_bf16()):
+        return tuning.amx_tiles_dense_from_rows_32_blocks
     return tuning.tiles_dense_from_rows_32_blocks
 
 

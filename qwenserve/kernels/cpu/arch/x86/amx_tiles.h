@@ -5,8 +5,9 @@
 // the product (at most 4096 in magnitude: an int16) split into a low byte (unsigned) and a high one (signed), two B
 // tiles whose products with the same A tile sum to the super-block's integer sum as 256 hi + lo. That is the one
 // integer sum every kernel forms, and it leaves the tiles once per super-block (256 codes) rather than once per
-// sub-block, which the vector units could not keep up with. The 32-blocks (fp16 scale per 32 codes) stay on the
-// VNNI sweep: scaling each block's tile in vectors made them no faster than it.
+// sub-block, which the vector units could not keep up with. The 32-blocks (fp16 scale per 32 codes) go to bf16
+// tiles instead (amx_bf16_tiles.h): scaling each block's int8 tile in vectors made them no faster than the VNNI
+// sweep.
 //
 // The codes come from decode_tile_block16 (row q of a B tile: quad q of 16 weight rows, as TileSuperBlock16 holds
 // them), the activation rows are packed into A tiles of 16 rows x 64 codes. Built into the variants whose CPUs may
@@ -35,15 +36,26 @@
 
 namespace qwenserve::cpu::ggml::x86 {
 
-// Whether this process may run AMX int8 tiles: the CPU has them (CPUID 7.0 EDX bits 24, 25) and Linux, which hands
-// out the 8 KiB tile state per process on request, granted it (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA).
-inline bool amx_int8_available() {
-  static const bool available = [] {
-    unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1) || !((d >> 25) & 1)) return false;
+// Whether the CPU has AMX-TILE (CPUID 7.0 EDX bit 24) and the tile multiplies of EDX bit `feature` (25: INT8,
+// 22: BF16)
+inline bool cpu_has_amx(int feature) {
+  unsigned a, b, c, d;
+  return __get_cpuid_count(7, 0, &a, &b, &c, &d) && ((d >> 24) & 1) && ((d >> feature) & 1);
+}
+
+// Whether Linux, which hands out the 8 KiB tile state per process on request, granted it (arch_prctl
+// ARCH_REQ_XCOMP_PERM for XTILEDATA)
+inline bool amx_tile_state_granted() {
+  static const bool granted = [] {
     constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
     return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
   }();
+  return granted;
+}
+
+// Whether this process may run AMX int8 tiles
+inline bool amx_int8_available() {
+  static const bool available = cpu_has_amx(25) && amx_tile_state_granted();
   return available;
 }
 
