@@ -366,17 +366,20 @@ def test_the_tile_kernel_is_built_where_the_variant_has_vnni(ops, variant):
     assert not ops.ggml_mm_tiles(int(Q.Q2_K))
 
 
-def test_the_amx_kernel_runs_where_the_cpu_has_amx(ops, variant):
-    """ggml_mm's AMX kernel is built into the AVX512-BF16 variant (every AMX CPU has AVX512-BF16) and runs where
-    the CPU reports AMX-TILE and AMX-INT8; ggml_allow_amx(False) keeps it off."""
-    expected = "avx512_bf16" in variant.needs and {"amx_tile", "amx_int8"} <= this_cpu_flags()
-    assert ops.ggml_amx_tiles() == expected
+@pytest.mark.parametrize("probe, flag", [("ggml_amx_tiles", "amx_int8"), ("ggml_amx_bf16_tiles", "amx_bf16")])
+def test_the_amx_kernels_run_where_the_cpu_has_amx(ops, variant, probe, flag):
+    """ggml_mm's AMX kernels (int8 for the K-quants, bf16 for the 32-blocks) are built into the AVX512-BF16 variant
+    (every AMX CPU has AVX512-BF16) and run where the CPU reports AMX-TILE and their AMX-INT8 or AMX-BF16;
+    ggml_allow_amx(False) keeps both off."""
+    runs = getattr(ops, probe)
+    expected = "avx512_bf16" in variant.needs and {"amx_tile", flag} <= this_cpu_flags()
+    assert runs() == expected
     ops.ggml_allow_amx(False)
     try:
-        assert not ops.ggml_amx_tiles()
+        assert not runs()
     finally:
         ops.ggml_allow_amx(True)
-    assert ops.ggml_amx_tiles() == expected
+    assert runs() == expected
 
 
 AMX_TYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
@@ -417,18 +420,6 @@ def test_the_amx_kernel_gives_the_vnni_sweeps_results(ops, qtype):
     expected = x.double() @ reference_dequant(raw, qtype, k).double().T
     amx, vnni = _mm_with_and_without_amx(ops, x, grouped, qtype, 48)
     assert torch.equal(amx.double(), expected) and torch.equal(vnni.double(), expected)
-
-
-def test_the_amx_bf16_kernel_runs_where_the_cpu_has_amx(ops, variant):
-    """ggml_mm's AMX bf16 kernel for the 32-blocks is built into the AVX512-BF16 variant and runs where the CPU
-    reports AMX-TILE and AMX-BF16; ggml_allow_amx(False) keeps it off too."""
-    expected = "avx512_bf16" in variant.needs and {"amx_tile", "amx_bf16"} <= this_cpu_flags()
-    assert ops.ggml_amx_bf16_tiles() == expected
-    ops.ggml_allow_amx(False)
-    try:
-        assert not ops.ggml_amx_bf16_tiles()
-    finally:
-        ops.ggml_allow_amx(True)
 
 
 AMX_BF16_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0]
