@@ -1,10 +1,10 @@
 // The 32-blocks' tile kernel on AMX, in bf16 (bf16 runs, from kAmxBf16MinRows activation rows): each weight block
 // is decoded once per call to bf16 with its fp16 scale folded in, (code - offset) x d (+ m for Q4_1) rounded to
-// nearest as ggml_dequantize rounds it, so one tile multiply (16 activation rows x 16 weight rows x 32 codes: one block) adds into
-// float sums that run over the whole row, and the activations enter as they are, unquantized. The int8 tiles
-// (amx_tiles.h) would need their sums out of the tiles after every block to apply its scale; that made them no
-// faster than the VNNI sweeps. The result is the dense route's (the weights dequantized to bf16, a bf16 matmul
-// summing in float) without the dequantized matrix in memory.
+// nearest as ggml_dequantize rounds it, so one tile multiply (16 activation rows x 16 weight rows x 32 codes: one
+// block) adds into float sums that run over the whole row, and the activations enter as they are, unquantized.
+// The int8 tiles (amx_tiles.h) would need their sums out of the tiles after every block to apply its scale; that
+// made them no faster than the VNNI sweeps. The result is the dense route's (the weights dequantized to bf16, a
+// bf16 matmul summing in float) without the dequantized matrix in memory: docs/tuning.md, "The AMX bf16 kernel".
 //
 // A B tile holds a block of 16 weight rows as 16 pairs of codes: row p, dword n = weight row n's codes 2p and 2p+1
 // (TileBlock16's quad q gives rows 2q and 2q+1). The A tiles load the activations from x itself (16 rows, 32 codes,
