@@ -2,7 +2,7 @@
 random models written as GGUF (32-weight block types; the K-quants need rows of 256, covered by
 tests/test_ggml_kernels.py and the bundled model): the model keeps the file's bytes, not dense weights; its
 logits follow the exact (dequantized) path within what int8 activations cost (one code each in bf16, two in
-float32); without the kernels it dequantizes at load and equals the exact path bit for bit; bad combinations are
+float32; none on an AMX CPU's bf16 tiles); without the kernels it dequantizes at load and equals the exact path bit for bit; bad combinations are
 errors that name them."""
 import json
 import os
@@ -68,13 +68,22 @@ def test_logits_follow_the_exact_path(ops, mixed_gguf):
     got, want = full_logits(quantized, few), full_logits(exact, few)
     assert (got - want).norm() < 1e-3 * want.norm()
     assert torch.equal(got.argmax(-1), want.argmax(-1))
-    # in bfloat16 one code, as llama.cpp: close, and the same next-token choices mostly
+    # in bfloat16 one code, as llama.cpp: close, and the same next-token choices mostly. An AMX CPU takes these
+    # rows to its bf16 tiles, which do not quantize the activations: the codes are checked with them off
     exact = LoadedModel(mixed_gguf, dtype="bfloat16", quantization="none").model
     quantized = LoadedModel(mixed_gguf, dtype="bfloat16", quantization="gguf").model
-    got, want = full_logits(quantized, few).float(), full_logits(exact, few).float()
+    want = full_logits(exact, few).float()
+    ops.ggml_allow_amx(False)
+    try:
+        got = full_logits(quantized, few).float()
+    finally:
+        ops.ggml_allow_amx(True)
     assert 1e-3 * want.norm() < (got - want).norm() < 0.05 * want.norm()
     agree = (got.argmax(-1) == want.argmax(-1)).float().mean()
     assert agree >= 0.9, f"only {agree:.0%} of next-token choices agree with the exact path"
+    if ops.ggml_amx_bf16_tiles():  # the 32-blocks on bf16 tiles: the exact path's bf16 weights and activations
+        got = full_logits(quantized, few).float()
+        assert (got - want).norm() < 1e-3 * want.norm()
 
 
 def test_a_tied_head_runs_the_embeddings_blocks(ops, tmp_path):
