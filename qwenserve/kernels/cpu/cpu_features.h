@@ -70,8 +70,7 @@
 
 // AMX int8 and bf16 tiles (Sapphire Rapids and later Xeons, all of which have AVX512-BF16): the builds for such CPUs
 // carry the AMX kernels with their instructions enabled per function (arch/x86/amx_tiles.h, amx_bf16_tiles.h), and
-// run them only where CPUID and
-// the OS allow, so the variant still runs on AVX512-BF16 CPUs without AMX (Zen 4, Zen 5)
+// run them only where CPUID and the OS allow, so the variant still runs on AVX512-BF16 CPUs without AMX (Zen 4, Zen 5)
 #if QS_X86_AVX512_VNNI && QS_X86_AVX512_BF16 && defined(__x86_64__) && (defined(__clang__) || __GNUC__ >= 11)
 #define QS_X86_AMX_BUILD 1
 #else

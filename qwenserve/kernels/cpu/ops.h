@@ -39,6 +39,8 @@ void ggml_mm(at::Tensor& out, const at::Tensor& x, const at::Tensor& raw, int64_
 bool ggml_mm_tiles(int64_t ggml_type);
 // whether ggml_mm runs the AMX int8 tile kernel (the K-quants, from 32 activation rows), and a switch that keeps it off
 bool ggml_amx_tiles();
+// whether ggml_mm runs the AMX bf16 tile kernel (the 32-blocks in bf16 runs, from 32 activation rows); the switch
+// keeps both off
 bool ggml_amx_bf16_tiles();
 void ggml_allow_amx(bool allow);
 

@@ -39,8 +39,8 @@ K_QUANTS = {Q.Q4_K, Q.Q5_K, Q.Q6_K}
 
 def tiles_dense_from_rows(layer: nn.Module) -> int | None:
     """From how many rows the layer should take the dense route, given ggml_mm's tile kernels (VNNI, and AMX where
-    it runs: int8 for the K-quants, bf16 for the 32-blocks in bf16 runs); None where the tile kernel does not run every segment (or the table leaves the
-    dense route's own threshold): docs/tuning.md, "Tiles"."""
+    it runs: int8 for the K-quants, bf16 for the 32-blocks in bf16 runs); None where the tile kernel does not run
+    every segment (or the table leaves the dense route's own threshold): docs/tuning.md, "Tiles"."""
     tiles = getattr(layer.ggml_ops, "ggml_mm_tiles", None)
     segments = [segment for _, segment in layer.segments]
     if tiles is None or not all(isinstance(s, GGMLTensor) and s.group != 1 and tiles(int(s.ggml_type))
