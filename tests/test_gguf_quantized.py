@@ -2,8 +2,8 @@
 random models written as GGUF (32-weight block types; the K-quants need rows of 256, covered by
 tests/test_ggml_kernels.py and the bundled model): the model keeps the file's bytes, not dense weights; its
 logits follow the exact (dequantized) path within what int8 activations cost (one code each in bf16, two in
-float32; none on an AMX CPU's bf16 tiles); without the kernels it dequantizes at load and equals the exact path bit for bit; bad combinations are
-errors that name them."""
+float32; none on an AMX CPU's bf16 tiles); without the kernels it dequantizes at load and equals the exact path
+bit for bit; bad combinations are errors that name them."""
 import json
 import os
 
