@@ -75,10 +75,11 @@ class ToyAttentionOnlyForCausalLM(nn.Module):
     def checkpoint_target(self, name):
         return name.removeprefix("model.")
 
-    def process_weights_after_loading(self):
+    def process_weights_after_loading(self, after_each=lambda: None):
         for module in self.modules():
             if module is not self and hasattr(module, "process_weights_after_loading"):
                 module.process_weights_after_loading()
+                after_each()
 
 
 # at import, so that a worker process, which imports this module to unpickle the class, registers it too

@@ -3,7 +3,11 @@ are written with a tiny tokenizer (quick) and with the bundled one (slow); the r
 without writing them. The expected types are spelled out here layer by layer, from llama.cpp's rule (attn_v and
 ffn_down in Q6_K on the first and last eighth of the layers and every third one between, the LM head in Q6_K,
 the embedding in Q6_K where it is the LM head), not computed by the code under test."""
+import json
 import math
+import os
+import subprocess
+import sys
 from collections import Counter
 
 import gguf
@@ -139,6 +143,41 @@ def test_qwenserve_runs_the_file_on_its_blocks(ops, small_file):
         assert torch.isfinite(logits).all()
         assert logits.std() > 0.05  # random weights give spread logits, not a collapsed or zeroed output
         assert token == int(logits.argmax())
+
+
+_LOAD_PEAK = r"""
+import json, sys
+from qwenserve.model.loader.model_loader import LoadedModel
+
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # the peak (VmHWM) starts again from the present size
+before = status("VmRSS")
+loaded = LoadedModel(sys.argv[1], dtype="bfloat16", quantization="gguf")
+print(json.dumps({"before": before, "peak": status("VmHWM"), "after": status("VmRSS")}))
+"""
+
+
+@pytest.mark.multiproc
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads and resets /proc/self/status's VmHWM")
+def test_loading_peaks_near_the_weights_not_at_twice_them(ops, tiny_tokenizer_gguf, tmp_path):
+    # the blocks are copied into the decode layout at load; the file's pages read for that must leave memory as
+    # each layer is done, or the peak holds the whole file beside its copy
+    shape = ModelShape("tiny", hidden_size=1024, num_layers=12, num_heads=8, num_kv_heads=2, intermediate_size=4096,
+                       tied_embeddings=True)
+    path = str(tmp_path / "load-peak.gguf")
+    write_shaped_gguf(shape, path, seed=1, tokenizer_gguf=tiny_tokenizer_gguf)
+    size = os.path.getsize(path)  # about 100 MB
+    result = subprocess.run([sys.executable, "-c", _LOAD_PEAK, path], capture_output=True, text=True, timeout=600,
+                            env=os.environ | {"PYTHONWARNINGS": "ignore"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    m = json.loads(result.stdout.strip().splitlines()[-1])
+    held, peak = m["after"] - m["before"], m["peak"] - m["before"]
+    assert held > 0.8 * size, m  # the weights themselves are resident once loaded
+    assert peak - held < 0.25 * size, m  # at most a layer or two's pages beyond them at any time
 
 
 def small_without_tokenizer(tmp_path) -> str:

@@ -7,9 +7,10 @@ process's TensorParallel, the QuantizationScheme, its PipelineParallel), called 
 dtype as torch's default dtype and the device as the default device, so parameters are created in both. The
 loader then copies each checkpoint tensor (HF names) into `checkpoint_target(name)`, through
 `packed_modules_mapping` for fused layers and each parameter's own `weight_loader`, and calls
-`process_weights_after_loading()` once all are in."""
+`process_weights_after_loading(after_each)` once all are in."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, Protocol, runtime_checkable
 
@@ -56,8 +57,10 @@ class CausalLM(Protocol):
         """The parameter name a checkpoint tensor loads into (before packed_modules_mapping), or None when this
         process does not hold it (another pipeline stage's layer, a tied head's copy)."""
 
-    def process_weights_after_loading(self) -> None:
-        """Re-arrange the loaded weights for the kernels that run them (e.g. packing)."""
+    def process_weights_after_loading(self, after_each: Callable[[], None] = lambda: None) -> None:
+        """Re-arrange the loaded weights for the kernels that run them (e.g. packing), calling `after_each()`
+        after each module's: the loader lets go there of the checkpoint pages just copied, so that the peak
+        memory of loading stays near the weights' size instead of twice it."""
 
 
 @runtime_checkable

@@ -58,7 +58,8 @@ class Checkpoint:
         raise NotImplementedError
 
     def release_pages(self) -> None:
-        """Once the model holds its weights: let go of the memory the checkpoint's reading took, if any."""
+        """Let go of the memory the checkpoint's reading has taken so far, if any: called after each module has
+        copied its weights into its own layout, and once the model holds them all."""
 
 
 def open_checkpoint(model: str | None = None) -> Checkpoint:

@@ -11,6 +11,7 @@ last returns them instead of hidden states.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -227,8 +228,9 @@ class Qwen2ForCausalLM(nn.Module):
     def device(self) -> torch.device:
         return next(self.parameters()).device
 
-    def process_weights_after_loading(self) -> None:
+    def process_weights_after_loading(self, after_each: Callable[[], None] = lambda: None) -> None:
         """Let each linear method re-arrange its loaded weights (e.g. oneDNN packing in bf16 on the CPU)."""
         for module in self.modules():
             if module is not self and hasattr(module, "process_weights_after_loading"):
                 module.process_weights_after_loading()
+                after_each()
