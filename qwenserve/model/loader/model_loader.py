@@ -53,7 +53,7 @@ def load_model(resolved: ResolvedModel, device: str | torch.device = "cpu", tp: 
         model = resolved.model_class(resolved.config, resolved.max_model_len, tp, quantization, pp)
     load_weights(model, checkpoint.weights(quantization.keep_types), checkpoint.naming)
     model.process_weights_after_loading(after_each=checkpoint.release_pages)
-    checkpoint.release_pages()
+    checkpoint.release_pages()  # again, for a model class that does not call after_each
     logger.info("loaded %s weights in %.1f s", checkpoint.path, time.perf_counter() - start)
     return model.eval()
 
