@@ -137,7 +137,8 @@ def test_bench_kernels_times_every_weight_shape(ops, tmp_path, capsys):
                       ("lm_head", "Q8_0", 320, 128)}
     assert len(result["shapes"]) == 2 * len(shapes)
     for entry in result["shapes"]:
-        for variant in ("ours", "dense", "fp32", "int8pack"):
+        assert entry["layers"] == (1 if entry["layer"] == "lm_head" else hf.config.num_hidden_layers), entry
+        for variant in ("ours", "ours_in_turn", "dense", "fp32", "int8pack"):
             figures = entry[variant]
             assert figures["ms"] > 0 and figures["GB/s"] > 0 and figures["GFLOP/s"] > 0, (entry, variant)
 

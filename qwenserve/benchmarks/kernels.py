@@ -3,6 +3,9 @@ matmul against the alternatives, as GB/s of weight bytes read and GFLOP/s, besid
 
 Rows: one per distinct (layer kind, block types, out x in) of the model. Columns per M:
 - `ours`: the layer's own apply (ggml_mm on its blocks, or dequantize + dense from dense_from_rows rows);
+- `ours_in_turn`: the same, each call on the next of the model's layers of that shape, as a decode step reads
+  them: one layer called again and again may be served from a large L3, these are read from memory wherever the
+  model is larger than the caches;
 - `dense`: F.linear on a dense weight in the run dtype (oneDNN-packed where bf16 packing is available);
 - `fp32`: F.linear in float32;
 - `int8pack`: torch's `_weight_int8pack_mm` (int8 per output channel);
@@ -10,6 +13,7 @@ Rows: one per distinct (layer kind, block types, out x in) of the model. Columns
 GB/s counts the bytes of weight each variant reads per call (its own format); decode (M=1) is bound by them."""
 from __future__ import annotations
 
+import itertools
 import time
 
 import torch
@@ -44,8 +48,8 @@ def read_bandwidth(gib: float = 1.0) -> float:
     return buf.numel() * 4 / seconds / 1e9
 
 
-def weight_shapes(model) -> dict[tuple, torch.nn.Module]:
-    """(kind, block types, out, in) -> the first layer of that shape."""
+def weight_shapes(model) -> dict[tuple, list[torch.nn.Module]]:
+    """(kind, block types, out, in) -> every layer of that shape, in the model's order."""
     shapes = {}
     for name, module in model.named_modules():
         if not hasattr(module, "linear_method"):
@@ -54,7 +58,7 @@ def weight_shapes(model) -> dict[tuple, torch.nn.Module]:
         segments = getattr(module, "segments", None)
         types = "+".join(s.ggml_type.name if isinstance(s, GGMLTensor) else str(s.dtype).removeprefix("torch.")
                          for _, s in segments) if segments else "dense"
-        shapes.setdefault((kind, types, module.output_size, module.input_size), module)
+        shapes.setdefault((kind, types, module.output_size, module.input_size), []).append(module)
     return shapes
 
 
@@ -81,6 +85,16 @@ def _alternatives(out_features: int, in_features: int, dtype: torch.dtype) -> di
     return alts
 
 
+def _apply(module, x: torch.Tensor) -> torch.Tensor:
+    return module.linear_method.apply(module, x, None)
+
+
+def _each_in_turn(modules: list[torch.nn.Module]):
+    """A call that applies the next of these layers each time."""
+    turn = itertools.cycle(modules)
+    return lambda x: _apply(next(turn), x)
+
+
 def layer_bytes(module) -> int:
     segments = getattr(module, "segments", None)
     if segments:
@@ -97,13 +111,16 @@ def bench_kernels(config: EngineConfig, rows: tuple[int, ...] = ROWS) -> dict:
     bandwidth = read_bandwidth()
     results = []
     with torch.inference_mode():
-        for (kind, types, out_features, in_features), module in weight_shapes(model).items():
+        for (kind, types, out_features, in_features), modules in weight_shapes(model).items():
             alts = _alternatives(out_features, in_features, resolved.dtype)
-            ours = (lambda x, m=module: m.linear_method.apply(m, x, None), layer_bytes(module))
+            size = layer_bytes(modules[0])
+            ours = {"ours": (lambda x, m=modules[0]: _apply(m, x), size),
+                    "ours_in_turn": (_each_in_turn(modules), size)}
             for m in rows:
                 x = torch.randn(m, in_features).to(resolved.dtype)
-                entry = {"layer": kind, "types": types, "out": out_features, "in": in_features, "M": m}
-                for name, (fn, nbytes) in {"ours": ours, **alts}.items():
+                entry = {"layer": kind, "types": types, "out": out_features, "in": in_features, "M": m,
+                         "layers": len(modules)}
+                for name, (fn, nbytes) in {**ours, **alts}.items():
                     seconds = timed(lambda: fn(x))
                     entry[name] = {"ms": _figure(seconds * 1e3), "GB/s": _figure(nbytes / seconds / 1e9),
                                    "GFLOP/s": _figure(2 * m * out_features * in_features / seconds / 1e9)}
@@ -119,13 +136,14 @@ def _figure(value: float) -> float:
 
 
 def format_table(result: dict) -> str:
-    names = ["ours", "dense", "fp32", "int8pack", "int4pack"]
+    names = ["ours", "ours_in_turn", "dense", "fp32", "int8pack", "int4pack"]
     lines = [f"quantization {result['quantization']}, dtype {result['dtype']}, {result['threads']} threads, "
              f"measured read bandwidth {result['read_bandwidth_GBps']} GB/s",
              "ms per call (GB/s of weights read | GFLOP/s)",
-             "| layer | types | out x in | M | " + " | ".join(names) + " |",
+             "| layer | types | out x in (layers) | M | " + " | ".join(names) + " |",
              "|---" * (4 + len(names)) + "|"]
     for e in result["shapes"]:
         cells = [f"{e[n]['ms']} ({e[n]['GB/s']} \\| {e[n]['GFLOP/s']})" if n in e else "-" for n in names]
-        lines.append(f"| {e['layer']} | {e['types']} | {e['out']} x {e['in']} | {e['M']} | " + " | ".join(cells) + " |")
+        lines.append(f"| {e['layer']} | {e['types']} | {e['out']} x {e['in']} ({e['layers']}) | {e['M']} | "
+                     + " | ".join(cells) + " |")
     return "\n".join(lines)
