@@ -1,9 +1,10 @@
 """The web UI (/) in a real browser: Debian's headless Chromium driven by selenium through the system chromedriver
 (scripts/ensure_browser.sh installs both), against live servers on a tiny random model, and a tiny random Qwen2-VL
 for images. Each test saves a screenshot into the directory it prints ($QWENSERVE_SCREENSHOTS, or a pytest
-temporary directory). The tiny models' answers are random text, so the Markdown renderer's own cases run in the
-page on given strings (markdown.js, the code the page uses), and a served answer checks that what streams in is
-rendered as the whole answer would be."""
+temporary directory), and checks that the page threw no error and broke no rule of its Content-Security-Policy.
+The tiny models' answers are random text, so the renderer's own cases and a corpus of hostile answers
+(hostile_markdown.py, audited by render_check.js) run in the page on given strings (render.js, the code the page
+uses), and a served answer checks that what streams in is rendered as the whole answer would be."""
 import base64
 import io
 import json
@@ -23,6 +24,7 @@ from qwenserve.engine.llm_engine import LLMEngine
 from qwenserve.entrypoints.openai.api_server import build_app
 
 from helpers import live_server, save_hf_dir, tiny_hf_model
+from hostile_markdown import SENTINEL, corpus
 from vl_helpers import random_image, save_hf_vl_dir, tiny_hf_vl_model
 
 pytestmark = pytest.mark.browser
@@ -85,13 +87,15 @@ def shots(tmp_path_factory) -> Path:
 
 
 def screenshot(driver, shots: Path, name: str, capsys) -> None:
-    """Saves the page as shots/name.png, prints where, and checks that the page has thrown no JavaScript error
-    since the last call (the console's network lines, such as an expected 401, are not errors of the page)."""
+    """Saves the page as shots/name.png, prints where, and checks that the page has thrown no JavaScript error and
+    broken no rule of its Content-Security-Policy since the last call (the console's network lines, such as an
+    expected 401, are not errors of the page)."""
     path = shots / f"{name}.png"
     assert driver.save_screenshot(str(path)), f"could not save {path}"
     with capsys.disabled():  # shown in the test output even when pytest captures it
         print(f"\n[web UI screenshot] {path}")
-    errors = [e["message"] for e in driver.get_log("browser") if e["source"] == "javascript"]
+    errors = [e["message"] for e in driver.get_log("browser")
+              if e["source"] == "javascript" or "Content Security Policy" in e["message"]]
     assert not errors, errors
 
 
@@ -105,11 +109,10 @@ def by_css(driver, selector):
     return driver.find_elements(By.CSS_SELECTOR, selector)
 
 
-def open_page(driver, url: str, key: str = "") -> None:
-    """A fresh page with `key` stored as the UI keeps it."""
+def open_page(driver, url: str) -> None:
+    """A fresh page, with nothing stored by an earlier one."""
     driver.get(url + "/")
-    driver.execute_script("localStorage.clear(); if (arguments[0]) localStorage.setItem('qwenserve.apiKey', "
-                          "arguments[0]);", key)
+    driver.execute_script("localStorage.clear(); sessionStorage.clear();")
     driver.get(url + "/")
 
 
@@ -302,7 +305,8 @@ def test_api_key_asked_for_then_used(servers, driver, shots, capsys):
     by_css(driver, "#save-key")[0].click()
     wait(driver, lambda d: model_options(d) == ["tiny"], "the model list, with the key")
     assert not driver.find_element("id", "notice").is_displayed()
-    assert driver.execute_script("return localStorage.getItem('qwenserve.apiKey')") == KEY
+    # the key lives in the tab's memory only: a script that got into the page finds it in no storage
+    assert stored_keys(driver) == [None, None]
     # greedy and past EOS: a sampled answer can end at its first token, with no text and so no stats
     fill(driver, "temperature", 0)
     fill(driver, "max-tokens", 20)
@@ -310,49 +314,86 @@ def test_api_key_asked_for_then_used(servers, driver, shots, capsys):
     send_message(driver, "hi again")
     wait(driver, lambda d: len(by_css(d, ".msg.assistant .stats")) == 1, "an answer, with the key")
     assert by_css(driver, ".msg.assistant:not(.error) .content")[0].text
-    driver.get(url + "/#dashboard")  # the dashboard's /metrics calls carry the key too
+    by_css(driver, "#tab-dashboard")[0].click()  # the dashboard's /metrics calls carry the key too
     wait(driver, lambda d: "updated" in by_css(d, "#dash-status")[0].text, "a /metrics poll with the key")
     screenshot(driver, shots, "api_key_entered", capsys)
+
+
+def stored_keys(driver) -> list:
+    return driver.execute_script("return [localStorage.getItem('qwenserve.apiKey'), "
+                                 "sessionStorage.getItem('qwenserve.apiKey')]")
+
+
+def test_api_key_is_kept_for_the_tab_only_when_asked_and_never_in_local_storage(servers, driver):
+    url = servers[1]
+    open_page(driver, url)
+    fill(driver, "api-key", KEY)
+    by_css(driver, "#save-key")[0].click()
+    wait(driver, lambda d: model_options(d) == ["tiny"], "the model list, with the key")
+    driver.refresh()  # not kept: a reload forgets it
+    wait(driver, lambda d: d.find_element("id", "notice").is_displayed(), "the notice asking for the key again")
+    assert by_css(driver, "#api-key")[0].get_attribute("value") == "" and stored_keys(driver) == [None, None]
+
+    fill(driver, "api-key", KEY)
+    by_css(driver, "#keep-key")[0].click()
+    by_css(driver, "#save-key")[0].click()
+    wait(driver, lambda d: model_options(d) == ["tiny"], "the model list, with the key")
+    assert stored_keys(driver) == [None, KEY]
+    driver.refresh()  # kept for the tab: sessionStorage
+    wait(driver, lambda d: model_options(d) == ["tiny"], "the model list, with the kept key")
+    assert by_css(driver, "#keep-key")[0].is_selected() and stored_keys(driver) == [None, KEY]
+
+    by_css(driver, "#keep-key")[0].click()  # unticked and saved again: forgotten by the tab's storage
+    by_css(driver, "#save-key")[0].click()
+    wait(driver, lambda d: stored_keys(d) == [None, None], "the kept key removed")
+
+    # a key an older version left in localStorage is removed when the page loads
+    driver.execute_script("localStorage.setItem('qwenserve.apiKey', arguments[0])", KEY)
+    driver.refresh()
+    wait(driver, lambda d: d.find_element("id", "notice").is_displayed(), "the notice asking for the key")
+    assert stored_keys(driver) == [None, None]
 
 
 # ---------------------------------------------------------------- answers rendered as Markdown
 
 LINK = 'target="_blank" rel="noopener noreferrer"'
-MARKDOWN_CASES = {
+CODE_HEAD = ('<div class="code-head"><span class="code-lang">{}</span><button type="button" class="copy-code">Copy'
+             "</button></div>")
+MARKDOWN_CASES = {  # {url}: the page's own origin (a relative link is written back as the URL it resolves to)
     "Hi *em*, **strong**, ***both***, `a < b`, ~~gone~~ and snake_case_name":
         "<p>Hi <em>em</em>, <strong>strong</strong>, <em><strong>both</strong></em>, <code>a &lt; b</code>, "
-        "<del>gone</del> and snake_case_name</p>",
+        "<s>gone</s> and snake_case_name</p>",
     "**a *b* c** and *a **b** c* and \\*not\\*":
         "<p><strong>a <em>b</em> c</strong> and <em>a <strong>b</strong> c</em> and *not*</p>",
     "# Title #\n### Sub\none\ntwo\n\n---\n> quoted":
-        "<h1>Title</h1><h3>Sub</h3><p>one<br>two</p><hr><blockquote><p>quoted</p></blockquote>",
+        "<h1>Title</h1><h3>Sub</h3><p>one<br>\ntwo</p><hr><blockquote>\n<p>quoted</p>\n</blockquote>",
     "- a\n- b\n  1. c\n  2. d\n- e":
-        "<ul><li><span>a</span></li><li><span>b</span><ol><li><span>c</span></li><li><span>d</span></li></ol></li>"
-        "<li><span>e</span></li></ul>",
-    "3. three\n\n4. four": '<ol start="3"><li><p>three</p></li><li><p>four</p></li></ol>',
+        "<ul>\n<li>a</li>\n<li>b\n<ol>\n<li>c</li>\n<li>d</li>\n</ol>\n</li>\n<li>e</li>\n</ul>",
+    "3. three\n\n4. four": '<ol start="3">\n<li>\n<p>three</p>\n</li>\n<li>\n<p>four</p>\n</li>\n</ol>',
     "[docs](https://example.com/a?b=1&c=2 \"Docs\") and https://example.com/x.":
         f'<p><a href="https://example.com/a?b=1&amp;c=2" title="Docs" {LINK}>docs</a> and '
         f'<a href="https://example.com/x" {LINK}>https://example.com/x</a>.</p>',
+    "[rel](/v1/models) [frag](#x) <mailto:a@b.c> ![alt *text*](/p.png \"T\") example.com":
+        f'<p><a href="{{url}}/v1/models" {LINK}>rel</a> <a href="{{url}}/#x" {LINK}>frag</a> '
+        f'<a href="mailto:a@b.c" {LINK}>mailto:a@b.c</a> <a href="{{url}}/p.png" title="T" {LINK}>alt text</a> '
+        "example.com</p>",
     "| a | b |\n|:--|--:|\n| 1 | **2** |":
-        '<div class="table-wrap"><table><thead><tr><th style="text-align:left">a</th>'
-        '<th style="text-align:right">b</th></tr></thead><tbody><tr><td style="text-align:left">1</td>'
-        '<td style="text-align:right"><strong>2</strong></td></tr></tbody></table></div>',
+        '<div class="table-wrap"><table>\n<thead>\n<tr>\n<th class="align-left">a</th>\n'
+        '<th class="align-right">b</th>\n</tr>\n</thead>\n<tbody>\n<tr>\n<td class="align-left">1</td>\n'
+        '<td class="align-right"><strong>2</strong></td>\n</tr>\n</tbody>\n</table></div>',
     "```python\nif a < b:\n    print('*x*')\n```\nafter":
-        '<div class="code-block"><div class="code-head"><span class="code-lang">python</span><button type="button" '
-        'class="copy-code">Copy</button></div><pre><code class="language-python">if a &lt; b:\n    '
-        "print(&#39;*x*&#39;)</code></pre></div><p>after</p>",
-    "```\nstill streaming": '<div class="code-block"><div class="code-head"><span class="code-lang"></span>'
-                           '<button type="button" class="copy-code">Copy</button></div><pre><code>still streaming'
-                           "</code></pre></div>",
+        f'<div class="code-block">{CODE_HEAD.format("python")}<pre><code class="language-python">if a &lt; b:\n'
+        "    print('*x*')</code></pre></div><p>after</p>",
+    "```\nstill streaming":
+        f'<div class="code-block">{CODE_HEAD.format("")}<pre><code>still streaming</code></pre></div>',
 }
 
 
 def test_markdown_renderer_cases(servers, driver):
-    """markdown.js in the page, on given texts: each case's HTML exactly."""
+    """render.js in the page, on given texts: each case's HTML exactly."""
     open_page(driver, servers[0])
     got = driver.execute_script("return arguments[0].map((t) => renderMarkdown(t))", list(MARKDOWN_CASES))
-    assert dict(zip(MARKDOWN_CASES, got)) == MARKDOWN_CASES
-
+    assert dict(zip(MARKDOWN_CASES, got)) == {k: v.replace("{url}", servers[0]) for k, v in MARKDOWN_CASES.items()}
 
 
 def test_markdown_rerender_keeps_the_unchanged_blocks(servers, driver):
@@ -374,8 +415,8 @@ def test_markdown_rerender_keeps_the_unchanged_blocks(servers, driver):
 
 
 def test_markdown_escapes_html_and_refuses_unsafe_links(servers, driver, shots, capsys):
-    """The model's text is untrusted: raw HTML shows as text and runs nothing; javascript: and data: links lose
-    their target; an image is a link to it, never fetched."""
+    """The model's text is untrusted: raw HTML shows as text and runs nothing; javascript: and data: links are
+    not links (they show as the text they are); an image is a link to it, never fetched."""
     open_page(driver, servers[0])
     evil = ('<img src=x onerror="window.pwned=1"> and <script>window.pwned=2</script> <b>bold?</b>\n\n'
             "[one](javascript:window.pwned=3) [two](JavaScript:alert(1)) [three](data:text/html,hi) "
@@ -400,7 +441,66 @@ def test_markdown_escapes_html_and_refuses_unsafe_links(servers, driver, shots, 
                 '<svg onload="window.pwned=4">', '<img src=y onerror="window.pwned=5">',
                 '<iframe src="javascript:alert(1)">'):
         assert raw in found["text"]
-    assert "one two three pic" in found["text"]
+    assert "[one](javascript:window.pwned=3) [two](JavaScript:alert(1)) [three](data:text/html,hi) pic" in found["text"]
+
+
+RENDER_CHECK_JS = (Path(__file__).parent / "render_check.js").read_text()
+EVERY_PREFIX_UP_TO = 600  # characters: a longer answer is cut at PREFIXES points instead
+PREFIXES = 8
+
+
+def test_hostile_answers_render_inside_the_allowlist_and_in_time(servers, driver, shots, capsys):
+    """hostile_markdown.py's corpus through the page's renderer, under the server's CSP: each answer rendered
+    prefix by prefix into one element (as it streams in) and then whole, the DOM audited after every render
+    (render_check.js). Nothing runs or is blocked trying, nothing is fetched, no element, attribute or link target
+    is off the allowlist, no render throws or takes 1 s."""
+    url = servers[0]
+    open_page(driver, url)
+    driver.execute_script(RENDER_CHECK_JS + f"""
+        window.pwned = [];
+        window.{SENTINEL} = (name) => window.pwned.push(name);
+        window.violations = [];
+        document.addEventListener('securitypolicyviolation', (e) => window.violations.push(e.violatedDirective));""")
+    items = corpus()
+    driver.set_script_timeout(300)
+    reports = [driver.execute_script("return renderCheck.renderCorpus(arguments[0], arguments[1])", items[k:k + 40],
+                                     {"everyPrefixUpTo": EVERY_PREFIX_UP_TO, "prefixes": PREFIXES})
+               for k in range(0, len(items), 40)]
+    time.sleep(0.5)  # a handler that was queued would have run by now
+    pwned, violations, foreign = driver.execute_script(
+        "return [window.pwned, window.violations, performance.getEntriesByType('resource').map((r) => r.name)"
+        ".filter((n) => !n.startsWith(location.origin + '/'))]")
+    renders = sum(r["renders"] for r in reports)
+    slowest = max((r["slowest"] for r in reports), key=lambda s: s[0])
+    whole = sorted(((ms, name) for r in reports for name, ms in r["wholeMs"].items()), reverse=True)
+    with capsys.disabled():
+        print(f"\n[hostile corpus] {len(items)} answers, {renders} renders; slowest {slowest[0]:.0f} ms "
+              f"({slowest[1]} at {slowest[2]} characters); slowest whole: "
+              + ", ".join(f"{name} {ms:.0f} ms" for ms, name in whole[:3]))
+    screenshot(driver, shots, "hostile_corpus", capsys)
+    assert pwned == [] and violations == [] and foreign == [], (pwned, violations, foreign)
+    assert [e for r in reports for e in r["errors"]] == []
+    assert [f for r in reports for f in r["findings"]] == []
+    assert renders >= len(items) * 2 and slowest[0] < 1000, slowest
+
+
+def test_ui_responses_carry_the_security_headers(servers):
+    """The page, every file under /ui/ (the vendored libraries too) and a missing one, with and without an API
+    key: the CSP that lets the page run only the server's own files, nosniff, no referrer. The API's JSON does not
+    need them."""
+    from qwenserve.entrypoints.openai.api_server import UI_PATHS
+    assert "/ui/vendor/markdown-it.min.js" in UI_PATHS and "/ui/vendor/purify.min.js" in UI_PATHS
+    for url, missing in zip(servers, (404, 401)):  # the keyed server opens only the files it has
+        for path in sorted(UI_PATHS) + ["/ui/missing.js"]:
+            resp = httpx.get(url + path)
+            assert resp.status_code == (missing if path == "/ui/missing.js" else 200), path
+            csp = {d.split(" ", 1)[0]: d.split(" ", 1)[1] for d in resp.headers["content-security-policy"].split("; ")}
+            assert csp == {"default-src": "'self'", "script-src": "'self'", "img-src": "'self' data: blob:",
+                           "object-src": "'none'", "base-uri": "'none'", "frame-ancestors": "'none'",
+                           "form-action": "'self'"}, path
+            assert resp.headers["x-content-type-options"] == "nosniff", path
+            assert resp.headers["referrer-policy"] == "no-referrer", path
+        assert "content-security-policy" not in httpx.get(url + "/health").headers
 
 
 def test_code_block_copy_button_puts_the_code_on_the_clipboard(servers, driver, shots, capsys):

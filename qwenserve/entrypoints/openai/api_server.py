@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server (FastAPI) over the async engine: the app, its routes, error handlers (every
-error is OpenAI-shaped JSON) and its middleware (request ids and access log, CORS, API key, body-size limit).
-What each endpoint does lives in the serving_* modules."""
+error is OpenAI-shaped JSON) and its middleware (request ids and access log, the web UI's security headers, CORS,
+API key, body-size limit). What each endpoint does lives in the serving_* modules."""
 from __future__ import annotations
 
 import hmac
@@ -22,6 +22,7 @@ from qwenserve.entrypoints.openai.middleware import (
     BodySizeLimitMiddleware,
     OpenAICORSMiddleware,
     RequestContextMiddleware,
+    UISecurityHeadersMiddleware,
 )
 from qwenserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -39,8 +40,15 @@ from qwenserve.entrypoints.openai.serving_tokenization import OpenAIServingToken
 
 logger = logging.getLogger(__name__)
 WEBUI_DIR = Path(__file__).parent / "webui"  # the web UI's static files: index.html at /, the rest under /ui/
-UI_PATHS = {"/"} | {f"/ui/{f.name}" for f in WEBUI_DIR.iterdir() if f.is_file()}  # open: its API calls carry the key
+UI_PATHS = {"/"} | {f"/ui/{f.relative_to(WEBUI_DIR).as_posix()}" for f in WEBUI_DIR.rglob("*")
+                    if f.is_file()}  # open: its API calls carry the key
 OPEN_PATHS = {"/health"} | UI_PATHS  # served without the API key
+
+
+def is_ui_path(path: str) -> bool:
+    """Whether `path` is the web UI's (its page, or anything under /ui/): its responses carry the UI's
+    Content-Security-Policy and the other UI_SECURITY_HEADERS."""
+    return path == "/" or path == "/ui" or path.startswith("/ui/")
 
 
 def is_open_path(path: str, metrics_public: bool = False) -> bool:
@@ -91,13 +99,15 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: st
     serving_tokenization = OpenAIServingTokenization(engine.tokenizer, serving_models, chat_prompts)
 
     app = FastAPI(title="qwenserve")
-    # the last added runs first: request id and access log, then CORS (preflights need no key), the key, the size
+    # the last added runs first: request id and access log, the UI's headers, then CORS (preflights need no key),
+    # the key, the size
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_bytes)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key, metrics_public=metrics_public)
     if allowed_origins:
         app.add_middleware(OpenAICORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["X-Request-Id"])
+    app.add_middleware(UISecurityHeadersMiddleware, is_ui_path=is_ui_path)
     app.add_middleware(RequestContextMiddleware)
 
     @app.exception_handler(APIError)

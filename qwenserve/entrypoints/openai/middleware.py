@@ -1,12 +1,13 @@
 """The server's ASGI middleware: the request id and the access log (with the last-resort 500), the limit on
-request-body size, and CORS with OpenAI-shaped refusals. Plain ASGI rather than Starlette's BaseHTTPMiddleware,
-which would hide client disconnects from the routes and buffer streamed responses."""
+request-body size, CORS with OpenAI-shaped refusals, and the web UI's security headers. Plain ASGI rather than
+Starlette's BaseHTTPMiddleware, which would hide client disconnects from the routes and buffer streamed responses."""
 from __future__ import annotations
 
 import logging
 import re
 import time
 import uuid
+from collections.abc import Callable
 
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
@@ -162,3 +163,40 @@ class OpenAICORSMiddleware(CORSMiddleware):
         cors_headers = {k: v for k, v in response.headers.items() if k.startswith("access-control-") or k == "vary"}
         return error_response(response.status_code, response.body.decode(), "invalid_request_error",
                               code="cors_refused", headers=cors_headers)
+
+
+# The web UI holds the user's API key and shows text an attacker can steer (the model's answers), so its pages may
+# run only the server's own script files (no inline script, no eval), load images only from the server or the
+# page's own data, embed no plugins, change no base URL, post forms only to the server, and be framed by no page.
+UI_CONTENT_SECURITY_POLICY = "; ".join([
+    "default-src 'self'", "script-src 'self'", "img-src 'self' data: blob:", "object-src 'none'",
+    "base-uri 'none'", "frame-ancestors 'none'", "form-action 'self'",
+])
+UI_SECURITY_HEADERS = [
+    (b"content-security-policy", UI_CONTENT_SECURITY_POLICY.encode()),
+    (b"x-content-type-options", b"nosniff"),  # a file is run or styled only as the type it is served as
+    (b"referrer-policy", b"no-referrer"),     # a link followed from an answer does not tell where it came from
+]
+
+
+class UISecurityHeadersMiddleware:
+    """Adds UI_SECURITY_HEADERS (replacing any the app set) to every response on a path is_ui_path accepts,
+    errors included."""
+
+    def __init__(self, app, is_ui_path: Callable[[str], bool]):
+        self.app = app
+        self.is_ui_path = is_ui_path
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not self.is_ui_path(scope["path"]):
+            await self.app(scope, receive, send)
+            return
+        names = {name for name, _ in UI_SECURITY_HEADERS}
+
+        async def send_with_headers(message):
+            if message["type"] == "http.response.start":
+                kept = [(k, v) for k, v in message.get("headers", ()) if k.lower() not in names]
+                message = {**message, "headers": kept + UI_SECURITY_HEADERS}
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)

@@ -1,5 +1,6 @@
-// qwenserve's web UI: a chat playground and a live dashboard of /metrics. Plain JS, no libraries, no build
-// step: the server ships these files as they are. markdown.js, loaded first, renders the answers.
+// qwenserve's web UI: a chat playground and a live dashboard of /metrics. Plain JS, no build step: the server
+// ships these files as they are. render.js, loaded first, renders the answers. Whatever comes from the network
+// (answers, reasoning, tool calls, model names, errors) is shown as text, or as Markdown through render.js.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -7,10 +8,14 @@ const KEY_STORE = "qwenserve.apiKey";
 
 // ---------------------------------------------------------------- API access
 
+// The key lives in this tab's memory, and in sessionStorage only when the user asks to keep it for the tab: a
+// script that got into the page must not find it in localStorage, where older versions kept it (removed here).
+let apiKey = sessionStorage.getItem(KEY_STORE) || "";
+localStorage.removeItem(KEY_STORE);
+
 // Every call carries the key when one is set, so the UI works against a server started with --api-key.
 function authHeaders(extra = {}) {
-  const key = localStorage.getItem(KEY_STORE) || "";
-  return key ? { ...extra, Authorization: `Bearer ${key}` } : extra;
+  return apiKey ? { ...extra, Authorization: `Bearer ${apiKey}` } : extra;
 }
 
 async function api(path, options = {}) {
@@ -49,10 +54,13 @@ for (const tab of document.querySelectorAll(".tab")) {
 }
 window.addEventListener("hashchange", () => showView(location.hash === "#dashboard" ? "dashboard" : "chat"));
 
-$("api-key").value = localStorage.getItem(KEY_STORE) || "";
+$("api-key").value = apiKey;
+$("keep-key").checked = Boolean(apiKey);
 $("key-form").addEventListener("submit", (e) => {
   e.preventDefault();
-  localStorage.setItem(KEY_STORE, $("api-key").value.trim());
+  apiKey = $("api-key").value.trim();
+  if ($("keep-key").checked && apiKey) sessionStorage.setItem(KEY_STORE, apiKey);
+  else sessionStorage.removeItem(KEY_STORE);
   loadModels();
 });
 
@@ -112,26 +120,39 @@ function addMessage(role, text, images = []) {
   return div;
 }
 
-// Re-renders a streaming answer at most once per animation frame, and less often when one render takes long (it
-// then gets at most a fifth of the time), so a long answer costs no more than that however fast tokens come.
-function streamRenderer(bubble, el) {
-  let text = "", frame = 0, next = 0;
-  const draw = (now) => {
+// Draws a streaming value (the answer, its reasoning, its tool calls) at most once per animation frame, and less
+// often when one draw takes long (it then gets at most a fifth of the time), so a long answer costs no more than
+// that however fast tokens come.
+function frameThrottled(bubble, draw) {
+  let value, updated = false, frame = 0, next = 0;
+  const run = (now) => {
     if (now < next) {
-      frame = requestAnimationFrame(draw);
+      frame = requestAnimationFrame(run);
       return;
     }
     frame = 0;
     const start = performance.now();
-    renderMarkdownInto(el, text);
+    draw(value);
     next = start + 5 * (performance.now() - start);
     bubble.scrollIntoView({ block: "end" });
   };
   return {
-    update(t) { text = t; frame ||= requestAnimationFrame(draw); },
-    finish(t) { this.cancel(); renderMarkdownInto(el, t); },  // the whole answer, at once
+    update(v) { value = v; updated = true; frame ||= requestAnimationFrame(run); },
+    finish(v = value) { this.cancel(); if (updated || v) draw(v); },  // the whole value, at once
     cancel() { cancelAnimationFrame(frame); frame = 0; },
   };
+}
+
+// The text box of an answer's reasoning or tool calls, made on first use: plain text (textContent), never HTML.
+function sideText(bubble, className, label) {
+  let box = bubble.querySelector(`.${className}`);
+  if (!box) {
+    box = Object.assign(document.createElement("details"), { className });
+    box.append(Object.assign(document.createElement("summary"), { textContent: label }),
+      Object.assign(document.createElement("div"), { className: "side-text" }));
+    bubble.querySelector(".content").before(box);
+  }
+  return box.querySelector(".side-text");
 }
 
 function setBusy(busy) {
@@ -172,7 +193,13 @@ async function send(text, images = []) {
   addMessage("user", text, images);
   const bubble = addMessage("assistant", "");
   const content = bubble.querySelector(".content");
-  const renderer = streamRenderer(bubble, content);
+  const renderer = frameThrottled(bubble, (t) => renderMarkdownInto(content, t));
+  const reasoningView = frameThrottled(bubble, (t) => { sideText(bubble, "reasoning", "Reasoning").textContent = t; });
+  const calls = new Map();  // index -> {name, arguments}, as their pieces stream in
+  const callsView = frameThrottled(bubble, () => {
+    sideText(bubble, "tool-calls", "Tool calls").textContent =
+      [...calls.values()].map((c) => `${c.name}(${c.arguments})`).join("\n");
+  });
   const system = $("system").value.trim();
   const request = {
     model: $("model").value || undefined,
@@ -189,7 +216,7 @@ async function send(text, images = []) {
   const started = conversation;
   setBusy(true);
   const start = performance.now();
-  let first = null, chunks = 0, usage = null, finish = null, answer = "", stopped = false;
+  let first = null, chunks = 0, usage = null, finish = null, answer = "", thought = "", stopped = false;
   try {
     const resp = await api("/v1/chat/completions", {
       method: "POST", headers: { "Content-Type": "application/json" },
@@ -201,10 +228,20 @@ async function send(text, images = []) {
       if (event.usage) usage = event.usage;
       const choice = event.choices?.[0];
       if (choice?.finish_reason) finish = choice.finish_reason;
-      if (choice?.delta?.content) {
+      const delta = choice?.delta || {};
+      const reasoning = delta.reasoning_content ?? delta.reasoning;
+      if (typeof reasoning === "string" && reasoning) reasoningView.update(thought += reasoning);
+      for (const call of Array.isArray(delta.tool_calls) ? delta.tool_calls : []) {
+        if (!calls.has(call.index)) calls.set(call.index, { name: "", arguments: "" });
+        const c = calls.get(call.index);
+        if (typeof call.function?.name === "string") c.name += call.function.name;
+        if (typeof call.function?.arguments === "string") c.arguments += call.function.arguments;
+        callsView.update(calls);
+      }
+      if (typeof delta.content === "string" && delta.content) {
         first ??= performance.now();
         chunks += 1;
-        answer += choice.delta.content;
+        answer += delta.content;
         renderer.update(answer);
         bubble.dataset.chunks = chunks;
       }
@@ -221,6 +258,8 @@ async function send(text, images = []) {
       content.append(line);
     }
   } finally {
+    reasoningView.finish();
+    callsView.finish();
     controller = null;
     setBusy(false);
   }
