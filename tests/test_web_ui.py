@@ -145,8 +145,15 @@ def test_chat_streams_the_answer_with_ttft_and_speed(servers, driver, shots, cap
     fill(driver, "temperature", 0)
     fill(driver, "max-tokens", 150)
     by_css(driver, "#ignore-eos")[0].click()
-    # record the length of the answer's text the page shows at every change it makes to the page
+    # record the length of the answer's text the page shows at every change it makes to the page, and count the
+    # renders and the animation frames
     driver.execute_script("""
+        window.renders = 0;
+        window.frames = 0;
+        const render = window.renderMarkdownInto;
+        window.renderMarkdownInto = (el, text) => { window.renders++; render(el, text); };
+        const tick = () => { window.frames++; requestAnimationFrame(tick); };
+        requestAnimationFrame(tick);
         window.lengths = [];
         new MutationObserver(() => {
           const el = document.querySelector('.msg.assistant .content');
@@ -161,7 +168,7 @@ def test_chat_streams_the_answer_with_ttft_and_speed(servers, driver, shots, cap
         renderMarkdownInto(whole, el.markdownSource);
         return [el.markdownSource, el.innerHTML === whole.innerHTML,
                 el.childNodes.length > 0 && [...el.childNodes].every((n) => n.nodeType === Node.ELEMENT_NODE)];""")
-    lengths = driver.execute_script("return window.lengths")
+    lengths, renders, frames = driver.execute_script("return [window.lengths, window.renders - 1, window.frames]")
     chunks = int(by_css(driver, ".msg.assistant")[0].get_attribute("data-chunks"))
     screenshot(driver, shots, "chat_streamed", capsys)
 
@@ -169,6 +176,8 @@ def test_chat_streams_the_answer_with_ttft_and_speed(servers, driver, shots, cap
     assert "– tok/s" not in stats
     growing = [n for n in lengths if n > 0]
     assert chunks > 1 and len(set(growing)) >= 3 and growing == sorted(growing), (chunks, lengths)
+    # at most one render per animation frame, however fast the tokens came (and one more for the whole answer)
+    assert 3 <= renders <= frames + 1, (renders, frames, chunks)
     # rendered as Markdown (every piece of text inside a block element), and the blocks kept from the renders made
     # while it streamed are those a render of the whole answer makes
     assert only_blocks and rendered_as_whole
@@ -442,6 +451,45 @@ def test_markdown_escapes_html_and_refuses_unsafe_links(servers, driver, shots, 
                 '<iframe src="javascript:alert(1)">'):
         assert raw in found["text"]
     assert "[one](javascript:window.pwned=3) [two](JavaScript:alert(1)) [three](data:text/html,hi) pic" in found["text"]
+
+
+def test_what_comes_from_the_network_is_shown_as_text(servers, driver, shots, capsys):
+    """Model names, an answer's reasoning and tool-call arguments, an image's alt text and error messages come from
+    the network: with hostile markup in each (the server's responses stood in for by the page's fetch), the page
+    shows it as text, makes no element of it and runs nothing."""
+    open_page(driver, servers[0])
+    evil = f"<img src=x onerror=\"{SENTINEL}('net')\"><b>x</b>"
+    chunks = [{"choices": [{"index": 0, "delta": {"reasoning_content": evil}}]},
+              {"choices": [{"index": 0, "delta": {"tool_calls": [
+                  {"index": 0, "id": "c", "type": "function", "function": {"name": evil, "arguments": ""}}]}}]},
+              {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": evil}}]}}]},
+              {"choices": [{"index": 0, "delta": {"content": f"![{evil}](https://example.com/p.png)"}}]},
+              {"error": {"message": evil}}]
+    driver.execute_script(RENDER_CHECK_JS + f"""
+        window.pwned = [];
+        window.{SENTINEL} = (name) => window.pwned.push(name);
+        const sse = arguments[0].map((c) => 'data: ' + JSON.stringify(c) + '\\n\\n').join('');
+        window.fetch = async (path) => String(path).endsWith('/v1/models')
+          ? new Response(JSON.stringify({{data: [{{id: arguments[1]}}]}}))
+          : new Response(sse, {{headers: {{'Content-Type': 'text/event-stream'}}}});
+        loadModels();""", chunks, evil)
+    wait(driver, lambda d: model_options(d) == [evil], "the model list, from the stand-in")
+    send_message(driver, "hi")
+    wait(driver, lambda d: by_css(d, ".msg.assistant.error"), "the error, from the stand-in")
+    time.sleep(0.3)  # a handler that was queued would have run by now
+    shown = driver.execute_script("""
+        const bubble = document.querySelector('.msg.assistant');
+        const text = (sel) => bubble.querySelector(sel)?.textContent;
+        return {findings: renderCheck.audit(bubble.querySelector('.content')),
+                tags: [...document.querySelectorAll('#model *, .msg.assistant details *')].map((e) => e.tagName),
+                model: document.querySelector('#model option').textContent, reasoning: text('.reasoning .side-text'),
+                calls: text('.tool-calls .side-text'), link: text('.content a'), error: text('.content p:last-child'),
+                pwned: window.pwned};""")
+    screenshot(driver, shots, "network_text", capsys)
+    assert shown["findings"] == [] and shown["pwned"] == []
+    assert sorted(set(shown["tags"])) == ["DIV", "OPTION", "SUMMARY"]  # the page's own: no element from the text
+    assert shown["model"] == evil and shown["reasoning"] == evil and shown["calls"] == f"{evil}({evil})"
+    assert shown["link"] == evil and shown["error"] == f"[error: {evil}]"  # the alt text, as text
 
 
 RENDER_CHECK_JS = (Path(__file__).parent / "render_check.js").read_text()
