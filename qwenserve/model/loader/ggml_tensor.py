@@ -81,4 +81,6 @@ class GGMLTensor:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if self.group != 1:
             return self.in_file_layout().dequantize(dtype)
-        return dequantize(self.raw.reshape(-1).numpy(), self.ggml_type, self.shape).to(dtype)
+        # the formulas run in numpy on the host; the rows return to where the blocks live (a CUDA device too)
+        rows = dequantize(self.raw.reshape(-1).cpu().numpy(), self.ggml_type, self.shape)
+        return rows.to(device=self.raw.device, dtype=dtype)
