@@ -163,10 +163,10 @@ def nesting(depth: int = 10_000) -> list[tuple[str, str]]:
         ("emphasis", "*a " * depth + "x" + " a*" * depth), ("strong", "**a " * depth + "x" + " a**" * depth),
         ("underscore", "_a " * depth + "x" + " a_" * depth), ("strike", "~~a " * depth + "x" + " a~~" * depth),
         ("links", "[" * depth + "x" + "](/y)" * depth), ("images", "![" * depth + "x" + "](/y)" * depth),
-        ("link in link", "[a " * depth + "](/y)" * depth), ("html", "<div>" * depth + "x" + "</div>" * depth),
+        ("link in link", "[a " * depth + "x" + "](/y)" * depth), ("html", "<div>" * depth + "x" + "</div>" * depth),
         ("anchors", "<a href=x>" * depth + "x"), ("code spans", "`" * depth + "x" + "`" * depth),
-        ("parens", "[x](" + "(" * depth + ")" * depth + ")"), ("brackets", "[" * depth + "]" * depth),
-        ("emphasis mixed", "*_" * depth + "x" + "_*" * depth), ("quote fence", ">" * depth + " ```\ncode"),
+        ("parens", "[x](" + "(" * depth + ")" * depth + ")"), ("brackets", "[" * depth + "x" + "]" * depth),
+        ("emphasis mixed", "*_" * depth + "x" + "_*" * depth), ("quote fence", ">" * depth + " ```\nx"),
     ]]
 
 

@@ -1,6 +1,7 @@
 // Loaded into the web UI's page by tests/test_web_ui.py: renders hostile answers with the page's own renderer
 // (renderMarkdownInto, as a streamed answer is rendered: prefix by prefix into one element, then whole) and
-// audits the DOM after every render against the allowlist. renderCorpus(items, options) -> report.
+// audits the DOM after every render against the allowlist. renderCorpus(items, options) -> report; options:
+// everyPrefixUpTo and prefixes (where answers are cut), mustShow ({name: a text its whole render shows}).
 "use strict";
 
 window.renderCheck = (() => {
@@ -62,7 +63,7 @@ window.renderCheck = (() => {
       el.className = "content markdown";
       bubble.append(el);
       messages.append(bubble);
-      for (const cut of [...cuts(text.length, options), text.length]) {
+      for (const cut of new Set([...cuts(text.length, options), text.length])) {
         const whole = cut === text.length;
         let ms;
         try {
@@ -76,6 +77,9 @@ window.renderCheck = (() => {
         report.renders += 1;
         if (ms > report.slowest[0]) report.slowest = [ms, name, cut];
         if (whole) report.wholeMs[name] = ms;
+        if (whole && name in options.mustShow && !el.textContent.includes(options.mustShow[name])) {
+          report.findings.push(`${name}: "${options.mustShow[name]}" is not shown`);
+        }
         for (const f of audit(el)) {
           if (report.findings.length < 200) report.findings.push(`${name} at ${cut}: ${f}`);
         }
