@@ -13,12 +13,14 @@ import torch
 
 from qwenserve import LLM, SamplingParams
 from qwenserve.config.errors import RequestError
+from qwenserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from qwenserve.sample import grammar as grammar_module
 from qwenserve.sample.grammar import check_constraint
 from qwenserve.sample.logits_processors import apply_token_bitmask
 from qwenserve.sample.sampler import Sampler
 from qwenserve.sample.structured_outputs import StructuredOutputsParams as Constraint
 
+from grammar_helpers import Walker
 from helpers import record_preemptions, save_hf_dir, tiny_hf_model
 
 SCHEMA = {"type": "object", "required": ["a", "b"], "additionalProperties": False,
@@ -72,11 +74,33 @@ def test_unknown_constraint_field_is_an_error_not_dropped():
     assert SamplingParams(structured_outputs={"regex": "a+"}).structured_outputs == Constraint(regex="a+")
 
 
-def test_equal_schemas_share_a_key_whatever_their_key_order():
-    reordered = {"required": ["a", "b"], "additionalProperties": False, "properties": SCHEMA["properties"],
-                 "type": "object"}
-    assert Constraint(json=SCHEMA).key == Constraint(json=json.dumps(reordered)).key
+def test_a_schema_as_an_object_or_as_text_shares_a_key_and_its_key_order_is_kept():
+    assert Constraint(json=SCHEMA).key == Constraint(json=json.dumps(SCHEMA, indent=4)).key
     assert Constraint(json=SCHEMA).key != Constraint(json={"type": "object"}).key
+    swapped = SCHEMA | {"properties": {"b": SCHEMA["properties"]["b"], "a": SCHEMA["properties"]["a"]}}
+    assert Constraint(json=swapped).key != Constraint(json=SCHEMA).key  # another grammar: b is written first
+
+
+@pytest.mark.parametrize("field, value", [("guided_json", SCHEMA), ("guided_regex", "a+"), ("guided_choice", ["x", "y"]),
+                                          ("guided_grammar", 'start: "x"')])
+def test_vllms_guided_fields_are_constraints_too(field, value):
+    kind = field.removeprefix("guided_")
+    for body in (ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **{field: value}),
+                 CompletionRequest(prompt="hi", **{field: value})):
+        assert body.sampling_params({}).structured_outputs == Constraint(**{kind: value})
+        assert body.constraint_field == field
+
+
+@pytest.mark.parametrize("fields, param, message", [
+    ({"guided_regex": ""}, "guided_regex", "guided_regex must be a non-empty string"),
+    ({"guided_json": "[1]"}, "guided_json", "guided_json must be a JSON object"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_regex", "give guided_regex or guided_choice, not both"),
+    ({"guided_regex": "a", "structured_outputs": {"regex": "a"}}, "structured_outputs", "not both"),
+])
+def test_guided_field_errors_name_the_field(fields, param, message):
+    with pytest.raises(RequestError, match=re.escape(message)) as e:
+        CompletionRequest(prompt="hi", **fields).sampling_params({})
+    assert e.value.param == param
 
 
 @pytest.mark.parametrize("fields, message", [
@@ -91,6 +115,43 @@ def test_invalid_schema_regex_grammar_fail_at_admission(llm, fields, message):
     with pytest.raises(ValueError, match=message):
         generate(llm, "hi", structured_outputs=Constraint(**fields))
     assert_no_leak(llm)
+
+
+# ---- the grammar: what the request wrote, and where the answer may end ----------------------------------------
+
+@pytest.fixture(scope="module")
+def walker():
+    walker = Walker()
+    yield walker
+    walker.close()
+
+
+def test_json_keys_come_in_the_schemas_order_not_sorted(walker):
+    schema = {"type": "object", "additionalProperties": False, "required": ["title", "year", "authors"],
+              "properties": {"title": {"type": "string"}, "year": {"type": "integer"},
+                             "authors": {"type": "array", "items": {"type": "string"}}}}
+    for given in (schema, json.dumps(schema)):
+        assert walker.accepts(Constraint(json=given), '{"title": "Dune", "year": 1965, "authors": ["F. Herbert"]}')
+        assert not walker.accepts(Constraint(json=given), '{"authors": ["F. Herbert"], "title": "Dune", "year": 1965}')
+
+
+@pytest.mark.parametrize("fields, partial, complete", [
+    ({"regex": "[0-9]+"}, "", "12"),
+    ({"choice": ["ab", "abc"]}, "a", "ab"),
+    ({"grammar": 'start: "x"+'}, "", "xx"),
+    ({"grammar": 'root ::= "y" "y"*'}, "", "yy"),
+    ({"json": {"type": "array", "items": {"type": "integer"}}}, "[1", "[1, 2]"),
+    ({"json_object": True}, '{"a"', '{"a": 1}'),
+])
+def test_a_complete_grammar_lets_the_answer_end_with_every_end_of_turn_token(walker, fields, partial, complete):
+    """The model's EOS here is <|im_end|> only; <|endoftext|> ends a turn too, and a model that chose it where
+    the grammar is complete would otherwise be made to write on."""
+    ends = {walker.im_end, walker.endoftext}
+    matcher = walker.matcher(Constraint(**fields))
+    assert walker.feed(matcher, partial) and not ends & walker.allowed(matcher)
+    matcher = walker.matcher(Constraint(**fields))
+    assert walker.feed(matcher, complete) and ends <= walker.allowed(matcher)
+    assert matcher.consume_token(walker.endoftext) and matcher.is_stopped()
 
 
 # ---- the mask ----------------------------------------------------------------------------------------------

@@ -15,6 +15,8 @@ from qwenserve.entrypoints.openai.tool_calls import (
 from qwenserve.sample.grammar import check_constraint
 from qwenserve.sample.structured_outputs import StructuredOutputsParams
 
+from grammar_helpers import Walker
+
 NAMES = {"get_weather", "get_time"}
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
 TIME = '{"name": "get_time", "arguments": {"zone": "CET"}}'
@@ -211,3 +213,42 @@ def test_the_forced_call_grammar_is_built_from_the_tag_ids_given(tool_choice, fo
     else:
         assert "<[151657]>" in constraint.grammar and "<[151658]>" in constraint.grammar
         assert body.sampling_params({}).structured_outputs.grammar.count('"<tool_call>"') == 1  # no ids: the text
+
+
+@pytest.fixture(scope="module")
+def walker():
+    walker = Walker()
+    yield walker
+    walker.close()
+
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_a_forced_answer_may_end_after_every_complete_call(walker, parallel):
+    """After a call's closing tag, and after the newline Qwen2.5 writes there, every end-of-turn token is allowed;
+    another call may follow only when parallel."""
+    grammar = StructuredOutputsParams(grammar=forced_call_grammar(TOOLS, parallel, walker.tag_ids))
+    ends, start_tag = {walker.im_end, walker.endoftext}, walker.tag_ids[0]
+    matcher = walker.matcher(grammar)
+    assert walker.feed(matcher, CALL[:-len("</tool_call>")]) and not ends & walker.allowed(matcher)
+    assert walker.feed(matcher, "</tool_call>") and ends <= walker.allowed(matcher)
+    assert walker.feed(matcher, "\n")
+    assert ends <= walker.allowed(matcher) and (start_tag in walker.allowed(matcher)) == parallel
+    if parallel:
+        assert walker.feed(matcher, CALL.replace("Paris", "Rome")) and ends <= walker.allowed(matcher)
+    assert walker.accepts(grammar, CALL) and walker.accepts(grammar, CALL + "\n")
+    assert walker.accepts(grammar, CALL + "\n" + CALL) == parallel
+
+
+@pytest.mark.parametrize("tool_choice, parallel_tool_calls, parallel", [
+    ("required", True, True), ("required", False, False),
+    ({"type": "function", "function": {"name": "get_weather"}}, True, False),
+    ({"type": "function", "function": {"name": "get_weather"}}, False, False)])
+def test_a_named_function_is_called_once_and_required_as_often_as_parallel_allows(tool_choice, parallel_tool_calls,
+                                                                                   parallel):
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=TOOLS, tool_choice=tool_choice,
+                                 parallel_tool_calls=parallel_tool_calls)
+    grammar = body.sampling_params({}, tool_tag_ids=(264, 265)).structured_outputs.grammar
+    assert grammar == forced_call_grammar(body.forced_tools(), parallel, (264, 265))

@@ -5,7 +5,9 @@ regex or grammar is a RequestError naming the field). Compiling it against the m
 background thread, so a slow grammar never holds up a step; each compiled grammar is cached by the
 constraint's key as a matcher at its start, which every sequence under that constraint copies. A matcher
 follows its sequence's tokens and fills that sequence's row of a token bitmask: one bit per vocabulary entry,
-little-endian within each 32-bit word, 1 = allowed. EOS is allowed only where the grammar accepts.
+little-endian within each 32-bit word, 1 = allowed. EOS is allowed only where the grammar accepts, and there
+every token that ends a turn is (END_OF_TURN and the model's EOS): a model that ends its answer with the one the
+grammar does not know would otherwise be made to write on.
 
 Only this module imports llguidance; the sampler (logits_processors.apply_token_bitmask) reads bitmasks."""
 from __future__ import annotations
@@ -26,6 +28,8 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 ANY_JSON_OBJECT = '{"type": "object"}'
 MAX_ERROR_CHARS = 600  # llguidance's messages can quote a whole grammar back
 CACHE_SIZE = 256  # compiled grammars kept (each a few hundred KB at most for typical schemas)
+# what Qwen's chat templates (Qwen2, Qwen2.5, Qwen3) end a turn with, and the end of text a model may write instead
+END_OF_TURN = ("<|im_end|>", "<|endoftext|>")
 
 
 def grammar_text(key: tuple[str, str]) -> str:
@@ -67,6 +71,16 @@ def _short(message) -> str:
     return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS] + " ..."
 
 
+def end_of_turn_ids(tokenizer) -> set[int]:
+    """The ids of END_OF_TURN's tokens that the vocabulary holds as single special tokens."""
+    ids = set()
+    for text in END_OF_TURN:
+        token_id = tokenizer.convert_tokens_to_ids(text)
+        if isinstance(token_id, int) and token_id != tokenizer.unk_token_id and tokenizer.decode([token_id]) == text:
+            ids.add(token_id)
+    return ids
+
+
 class GrammarCompiler:
     """Compiles constraints on one background thread and caches the results by constraint key. The vocabulary
     (llguidance's view of the tokenizer, a few seconds to build) is built there too, on first use."""
@@ -75,7 +89,7 @@ class GrammarCompiler:
         """vocab_size: the model's logits width (the bitmask covers it; ids the tokenizer lacks are never allowed)."""
         self._hf_tokenizer = tokenizer
         self.vocab_size = max(vocab_size, len(tokenizer))
-        self._eos_token_ids = sorted(eos_token_ids)
+        self._eos_token_ids = sorted(set(eos_token_ids) | end_of_turn_ids(tokenizer))
         self._ll_tokenizer = None
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="qwenserve-grammar")
         self._cache: OrderedDict[tuple[str, str], concurrent.futures.Future] = OrderedDict()

@@ -48,15 +48,17 @@ class StructuredOutputsParams:
 
     @property
     def key(self) -> tuple[str, str]:
-        """(kind, text): equal for equal constraints, whatever order a schema's keys came in; the compiled
-        grammar cache is keyed by it."""
+        """(kind, text): what the grammar is made from, and the compiled grammar cache's key. A schema's text is
+        compact JSON in the order the request wrote it: a schema sent as an object or as text, spaced any way,
+        gives one key, but the order of its keys is kept, since the grammar writes an object's properties in the
+        order its schema lists them (sorting them would make the model write them alphabetically)."""
         return self._key
 
     def _make_key(self) -> tuple[str, str]:
         kind = self.kind
         value = getattr(self, kind)
         if kind == "json":
-            value = _canonical_json(value)
+            value = _compact_json(value)
         elif kind == "choice":
             value = json.dumps(list(value))
         elif kind == "json_object":
@@ -76,7 +78,7 @@ class StructuredOutputsParams:
         return cls(**fields)
 
 
-def _canonical_json(schema: str | dict) -> str:
+def _compact_json(schema: str | dict) -> str:
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -85,4 +87,4 @@ def _canonical_json(schema: str | dict) -> str:
     if not isinstance(schema, dict):
         raise RequestError(f"{FIELD}.json must be a JSON object (a schema), got {type(schema).__name__}",
                            param=FIELD)
-    return json.dumps(schema, sort_keys=True, separators=(",", ":"))
+    return json.dumps(schema, separators=(",", ":"))  # keys in the request's order: see key

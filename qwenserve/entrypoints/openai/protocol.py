@@ -10,6 +10,8 @@ from qwenserve.entrypoints.openai.tool_calls import forced_call_grammar
 from qwenserve.sample.sampling_params import SamplingParams
 from qwenserve.sample.structured_outputs import FIELD as STRUCTURED_OUTPUTS, StructuredOutputsParams
 
+GUIDED, GUIDED_KINDS = "guided_", ("json", "regex", "choice", "grammar")  # vLLM's guided_json and the rest
+
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
@@ -55,13 +57,21 @@ class _SamplingFields(BaseModel):
     user: str | None = None
     response_format: ResponseFormat | None = None  # OpenAI's
     structured_outputs: dict | None = None  # vLLM's: one of json, regex, choice, grammar, json_object
+    # vLLM's earlier fields, one per kind, which its users' code still sends (extra_body={"guided_regex": ...})
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def constraint_field(self) -> str:
         """The request field a complaint about the output constraint is reported against."""
         if self.response_format is not None and self.response_format.type != "text":
             return "response_format"
-        return "tool_choice" if self.forces_tool_calls else STRUCTURED_OUTPUTS
+        if self.forces_tool_calls:
+            return "tool_choice"
+        return next((f"{GUIDED}{kind}" for kind in GUIDED_KINDS if getattr(self, GUIDED + kind) is not None),
+                    STRUCTURED_OUTPUTS)
 
     @property
     def forces_tool_calls(self) -> bool:
@@ -90,6 +100,13 @@ class _SamplingFields(BaseModel):
             found.append(("response_format", from_format))
         if self.structured_outputs is not None:
             found.append((STRUCTURED_OUTPUTS, StructuredOutputsParams.from_dict(self.structured_outputs)))
+        for kind in GUIDED_KINDS:
+            field = GUIDED + kind
+            if getattr(self, field) is not None:
+                try:
+                    found.append((field, StructuredOutputsParams(**{kind: getattr(self, field)})))
+                except RequestError as e:
+                    raise RequestError(str(e).replace(f"{STRUCTURED_OUTPUTS}.{kind}", field), param=field) from e
         if forced_calls is not None:
             found.append(("a forced tool_choice", forced_calls))
         if len(found) > 1:
@@ -213,8 +230,10 @@ class ChatCompletionRequest(_SamplingFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
         forced = self.forced_tools()
+        # a named function is called once, as OpenAI and vLLM do; "required" takes as many calls as the model makes
+        parallel = self.parallel_tool_calls and not isinstance(self.tool_choice, NamedToolChoice)
         forced_calls = None if forced is None else StructuredOutputsParams(
-            grammar=forced_call_grammar(forced, self.parallel_tool_calls, tool_tag_ids))
+            grammar=forced_call_grammar(forced, parallel, tool_tag_ids))
         return self._sampling(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, defaults,
                               forced_calls)
 

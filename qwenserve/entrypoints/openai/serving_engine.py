@@ -15,6 +15,7 @@ from qwenserve.config.errors import RequestError
 from qwenserve.engine.async_engine import AsyncLLMEngine, DrainingError, EngineDeadError, OverloadedError
 from qwenserve.engine.outputs import RequestOutput
 from qwenserve.entrypoints.openai.metrics import ServerMetrics
+from qwenserve.entrypoints.openai.protocol import GUIDED
 from qwenserve.lora.request import LoRARequest
 from qwenserve.model.loader.tokenizer import chat_prompt_ids
 from qwenserve.sample.grammar import check_constraint
@@ -155,6 +156,10 @@ class OpenAIServing:
             if param == "tool_choice":  # the constraint is the calls' grammar, made of the tools' parameters
                 return APIError(400, f"tools: the tools' parameters cannot be enforced as tool_choice asks ({message})",
                                 param="tools")
+            if param.startswith(GUIDED):  # guided_regex: its constraint is structured_outputs.regex
+                inner = f"{STRUCTURED_OUTPUTS}.{param[len(GUIDED):]}"
+                return APIError(400, param + message[len(inner):] if message.startswith(inner) else message,
+                                param=param)
             for inner, outer in ((f"{STRUCTURED_OUTPUTS}.json_object", param),
                                  (f"{STRUCTURED_OUTPUTS}.json", f"{param}.json_schema.schema"),
                                  (STRUCTURED_OUTPUTS, param)):

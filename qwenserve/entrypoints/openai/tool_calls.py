@@ -465,9 +465,11 @@ def tag_token_ids(tokenizer) -> tuple[int, int] | None:
 
 def forced_call_grammar(tools: list[dict], parallel: bool, tag_ids: tuple[int, int] | None = None) -> str:
     """A Lark grammar (llguidance's, with %json) for answers that are only tool calls in the template's format,
-    of any of the tools; one call, or several when parallel. tag_ids: the tags' own tokens, which the grammar
-    names by id (llguidance masks such a token by its text, but consumes it as a special token, so a tag written
-    as text would reject the very token the mask allowed)."""
+    of any of the tools; one call, or several when parallel. The answer may end after any complete call, with or
+    without a newline after its closing tag: Qwen2.5 writes one there and then ends its turn, and a grammar that
+    took the newline only as the start of another call made it call again until max_tokens. tag_ids: the tags'
+    own tokens, which the grammar names by id (llguidance masks such a token by its text, but consumes it as a
+    special token, so a tag written as text would reject the very token the mask allowed)."""
     schemas = []
     for tool in tools:
         function = tool["function"]
@@ -477,4 +479,5 @@ def forced_call_grammar(tools: list[dict], parallel: bool, tag_ids: tuple[int, i
     schema = (schemas[0] if len(schemas) == 1 else {"anyOf": schemas}) | {"x-guidance": COMPACT_JSON}
     start, end = (f"<[{tag_ids[0]}]>", f"<[{tag_ids[1]}]>") if tag_ids else ('"<tool_call>"', '"</tool_call>"')
     call = f'call: {start} "\\n" %json {json.dumps(schema)} "\\n" {end}'
-    return ('start: call ("\\n" call)*\n' if parallel else "start: call\n") + call + "\n"
+    calls = 'call ("\\n" call)*' if parallel else "call"
+    return f'start: {calls} "\\n"?\n{call}\n'
