@@ -105,7 +105,8 @@ def save_hf_dir(model, path: str, max_shard_size: str | None = None) -> str:
 # that imported the mapping under test could not catch a mistake in it).
 _LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
           "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-          "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+          "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
 
 
 def hf_to_gguf_name(name: str) -> str:
@@ -119,15 +120,19 @@ def hf_to_gguf_name(name: str) -> str:
 
 
 def save_gguf(model, path: str, quant: str = "Q8_0", overrides: dict[str, str] | None = None) -> str:
-    """Write `model` as a qwen2 GGUF: 2-D weights quantized to `quant` (or to overrides[part] for a tensor
-    whose HF name contains `part`, as llama.cpp's Q4_K_M mixes types), 1-D tensors in F32."""
+    """Write `model` (Qwen2 or Qwen3) as a GGUF of its family: 2-D weights quantized to `quant` (or to
+    overrides[part] for a tensor whose HF name contains `part`, as llama.cpp's Q4_K_M mixes types), 1-D tensors
+    in F32."""
     import gguf
     cfg = model.config
 
     def qtype(name: str):
         part = next((p for p in (overrides or {}) if p in name), None)
         return gguf.GGMLQuantizationType[overrides[part] if part else quant]
-    w = gguf.GGUFWriter(path, "qwen2")
+    w = gguf.GGUFWriter(path, cfg.model_type)
+    if cfg.model_type == "qwen3":  # its head width is not hidden / heads
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)

@@ -85,3 +85,36 @@ def test_steps_with_an_adapter_run_the_modules(ops, hf_model, gguf_path, fused_s
     assert not any(fused_steps)
     assert mixed[1:] == base_only[1:] and mixed[0] != base_only[0]
     assert mixed == generate(gguf_path, "float32", enforce_eager=True, lora_request=[lora, None, None], **engine)
+
+
+def _add_undeclared_part(llm) -> None:
+    """Give every decoder layer a part its decode_parts do not name: a parameter that scales the layer's output."""
+    model = llm.engine.executor.worker.model.model
+    for layer in model.own_layers:
+        layer.output_scale = torch.nn.Parameter(torch.full((layer.input_layernorm.weight.shape[0],), 0.75),
+                                                requires_grad=False)
+        run_layer = layer.forward
+
+        def scaled(*args, _run=run_layer, _layer=layer):
+            hidden, residual = _run(*args)
+            return hidden * _layer.output_scale, residual
+        layer.forward = scaled
+    model.fused_decode.routes_changed()
+
+
+def test_a_part_the_call_does_not_run_keeps_the_modules(ops, gguf_path, fused_steps):
+    """A layer holding a parameter outside the parts the one call runs is never fused (the call would skip it):
+    its decode steps run the modules, whose answers (changed by the part) equal enforce_eager's."""
+    plain = generate(gguf_path, "float32", enforce_eager=False)
+    fused_steps.clear()
+    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=3, ignore_eos=True)
+    answers = []
+    for eager in (False, True):
+        llm = LLM(model=gguf_path, dtype="float32", enforce_eager=eager, max_model_len=256)
+        _add_undeclared_part(llm)
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        answers.append([(list(o.outputs[0].token_ids),
+                         [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs])
+                        for o in outs])
+    assert fused_steps and not any(fused_steps)
+    assert answers[0] == answers[1] and answers[0] != plain

@@ -1,7 +1,7 @@
 // A decode-only batch through a pipeline stage's decoder layers in one call (DecodeLayers): the CPU's stand-in for
 // a captured graph. It calls the same kernels in the same order as the layer modules do one by one (norms, the
-// projections' ggml_mm segments, rotary, the KV write, paged decode attention, SiLU), so its results are
-// bit-identical to theirs; what it removes is the Python between the calls, which at batch 1 on a small model is
+// projections' ggml_mm segments, the per-head q/k norms where the layer has them, rotary, the KV write, paged
+// decode attention, SiLU), so its results are bit-identical to theirs; what it removes is the Python between the calls, which at batch 1 on a small model is
 // a sixth of a step (docs/performance.md, "Decode layers in one call"). Built once per model and KV cache by
 // model/layers/decode_layers.py, which also decides when a step may take it.
 
@@ -27,7 +27,16 @@ void DecodeLayers::add_layer(at::Tensor input_norm, at::Tensor post_norm, at::Te
               "DecodeLayers.add_layer: caches must be contiguous [blocks, block_size, kv_heads, head_dim]");
   TORCH_CHECK(k_cache.scalar_type() == input_norm.scalar_type(),
               "DecodeLayers.add_layer: the cache must hold the activations' dtype (no int8 / fp8 codes)");
-  layers_.push_back(Layer{std::move(input_norm), std::move(post_norm), {}, std::move(k_cache), std::move(v_cache)});
+  layers_.push_back(Layer{std::move(input_norm), std::move(post_norm), {}, {}, {}, std::move(k_cache),
+                          std::move(v_cache)});
+}
+
+void DecodeLayers::add_head_norms(at::Tensor q_norm, at::Tensor k_norm) {
+  TORCH_CHECK(!layers_.empty(), "DecodeLayers.add_head_norms: add the layer first");
+  TORCH_CHECK(q_norm.dim() == 1 && q_norm.size(0) == head_dim_ && k_norm.dim() == 1 && k_norm.size(0) == head_dim_,
+              "DecodeLayers.add_head_norms: the weights must be [head_dim]");
+  layers_.back().q_norm = std::move(q_norm);
+  layers_.back().k_norm = std::move(k_norm);
 }
 
 void DecodeLayers::add_segment(int64_t projection, int64_t out_features, at::Tensor raw, int64_t ggml_type,
@@ -50,6 +59,18 @@ void DecodeLayers::project(at::Tensor& out, const at::Tensor& x, const Projectio
     at::Tensor target = s.rows == p.out_features ? out : out.narrow(1, s.offset, s.rows);
     ggml_mm(target, x, s.raw, s.ggml_type, s.group, s.bias, act_levels_);
   }
+}
+
+// RMSNorm over each of `heads` heads from head first_head of the fused projection's rows, in place: the rows are
+// gathered into a contiguous [B * heads, head_dim] tensor for the same rms_norm kernel the module path calls on its
+// reshaped copy, so the results are the same bits
+void DecodeLayers::norm_heads(at::Tensor& qkv, int64_t first_head, int64_t heads, const at::Tensor& weight) const {
+  const int64_t rows = qkv.size(0);
+  at::Tensor part = qkv.narrow(1, first_head * head_dim_, heads * head_dim_);
+  at::Tensor x = part.reshape({rows * heads, head_dim_}).contiguous();
+  at::Tensor normed = at::empty_like(x);
+  rms_norm(normed, x, weight, eps_);
+  part.copy_(normed.view({rows, heads * head_dim_}));
 }
 
 // This step's k and v rows of the fused projection's output into their cache slots (index_copy_ on the module path)
@@ -89,6 +110,10 @@ std::tuple<at::Tensor, at::Tensor> DecodeLayers::run(at::Tensor hidden, std::opt
     }
     at::Tensor qkv = at::empty({rows, qkv_p.out_features}, hidden.options());
     project(qkv, hidden, qkv_p);
+    if (layer.q_norm.defined()) {
+      norm_heads(qkv, 0, heads_, layer.q_norm);
+      norm_heads(qkv, heads_, kv_heads_, layer.k_norm);
+    }
     rotary_embedding(qkv, positions, cos_sin_, heads_ + kv_heads_, head_dim_);
     write_kv(layer, qkv, slots);
     at::Tensor q = qkv.narrow(1, 0, q_size).view({rows, heads_, head_dim_});

@@ -23,6 +23,9 @@ class DecodeLayers : public torch::CustomClassHolder {
                at::Tensor cos_sin);
   // the next layer: its two norm weights and its KV cache tensors [blocks, block_size, kv_heads, head_dim]
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, at::Tensor k_cache, at::Tensor v_cache);
+  // the last layer's per-head RMSNorm weights [head_dim] for its queries and keys (Qwen3), applied after the qkv
+  // projection and before the rotary embedding; a layer without them has none
+  void add_head_norms(at::Tensor q_norm, at::Tensor k_norm);
   // one ggml_mm call of the last layer's projection: its rows [offset, offset + rows) of out_features outputs
   void add_segment(int64_t projection, int64_t out_features, at::Tensor raw, int64_t ggml_type, int64_t group,
                    std::optional<at::Tensor> bias, int64_t offset, int64_t rows);
@@ -45,12 +48,14 @@ class DecodeLayers : public torch::CustomClassHolder {
   };
   struct Layer {
     at::Tensor input_norm, post_norm;
+    at::Tensor q_norm, k_norm;  // undefined where the layer has no per-head norms
     std::array<Projection, kProjections> projections;
     at::Tensor k_cache, v_cache;
   };
 
   void project(at::Tensor& out, const at::Tensor& x, const Projection& p) const;
   void write_kv(const Layer& layer, const at::Tensor& qkv, const at::Tensor& slots) const;
+  void norm_heads(at::Tensor& qkv, int64_t first_head, int64_t heads, const at::Tensor& weight) const;
 
   int64_t heads_, kv_heads_, head_dim_;
   double eps_, scale_;

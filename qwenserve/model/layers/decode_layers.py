@@ -3,7 +3,8 @@ kernels/cpu/decode_layers.cpp): the CPU's stand-in for a captured graph. The cal
 modules would run, in their order, so the results are bit-identical; it saves the Python between them (a sixth of
 a batch-1 step of the bundled model: docs/performance.md, "Decode layers in one call").
 
-It applies where every part of every layer has a kernel: block-quantized projections that take ggml_mm at the
+It applies where every part of every layer has a kernel: layers whose declared parts (decode_parts) are the ones
+it runs (RUNS), with no parameter outside them; block-quantized projections that take ggml_mm at the
 step's rows (every segment a kernel call, no input permutation), one tensor-parallel rank, a fixed 1-D rotary table
 (not M-RoPE's [3, T] positions), a KV cache in the run dtype, and a step of decode tokens only, none of them under a
 LoRA adapter. Anything else runs the modules, as does every step under enforce_eager. The layers' names are vLLM's
@@ -18,6 +19,23 @@ from qwenserve.model.layers.rotary import MRotaryEmbedding
 
 # add_segment's projection numbers
 _PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+# the layer parts (a decoder layer's decode_parts) DecodeLayers runs, in the order it runs them; the per-head q/k
+# norms (Qwen3) are optional, together. A layer that names another part (an expert MLP) or holds a parameter
+# outside its named parts runs through its modules.
+RUNS = ("input_layernorm", "self_attn.qkv_proj", "self_attn.q_norm", "self_attn.k_norm", "self_attn.rotary_emb",
+        "self_attn.attn", "self_attn.o_proj", "post_attention_layernorm", "mlp.gate_up_proj", "mlp.act_fn",
+        "mlp.down_proj")
+_HEAD_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
+
+
+def runs_every_part(layer: nn.Module) -> bool:
+    """Whether DecodeLayers computes what the layer does: its declared parts are RUNS (with or without both head
+    norms), in that order, and every parameter it holds lies in one of them (so a part the declaration forgot
+    cannot be skipped silently)."""
+    parts = tuple(getattr(layer, "decode_parts", ()))
+    if parts not in (RUNS, tuple(p for p in RUNS if p not in _HEAD_NORMS)):
+        return False
+    return all(any(name.startswith(part + ".") for part in parts) for name, _ in layer.named_parameters())
 
 
 def _projection(layer: nn.Module, path: str) -> nn.Module:
@@ -57,6 +75,8 @@ class FusedDecodeLayers:
         some part of a layer has no kernel."""
         if self._ops is None or not self._layers:
             return 0
+        if not all(runs_every_part(layer) for layer in self._layers):
+            return 0
         first = self._layers[0]
         rotary = first.self_attn.rotary_emb
         if rotary.dynamic or isinstance(rotary, MRotaryEmbedding):  # the call indexes one table by 1-D positions
@@ -77,6 +97,8 @@ class FusedDecodeLayers:
         for layer in self._layers:
             i = layer.self_attn.attn.layer_idx
             call.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, cache.k[i], cache.v[i])
+            if _HEAD_NORMS[0] in layer.decode_parts:
+                call.add_head_norms(layer.self_attn.q_norm.weight, layer.self_attn.k_norm.weight)
             for number, path in enumerate(_PROJECTIONS):
                 linear = _projection(layer, path)
                 for rows_slice, raw, ggml_type, group, bias in linear.kernel_calls:

@@ -150,6 +150,7 @@ _GGUF_LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
 }
 _GGUF_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                       "output.weight": "lm_head.weight"}
@@ -199,7 +200,9 @@ def config_from_gguf(md: dict) -> ModelConfig:
         rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
         rope_theta=float(md.get(f"{arch}.rope.freq_base", QWEN2_DEFAULT_ROPE_THETA)),
         rope_scaling=scaling,
+        head_dim=md.get(f"{arch}.attention.key_length"),  # absent: embedding_length / head_count
         tie_word_embeddings=False,  # decided by the tensors present, see GGUFCheckpoint
+        attention_bias=None,  # likewise
         torch_dtype="bfloat16",
         bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=md.get("tokenizer.ggml.eos_token_id"),
@@ -218,6 +221,7 @@ class GGUFCheckpoint(Checkpoint):
             config = config_from_gguf(self.file.metadata)
             if "output.weight" not in self.file.tensors:  # no separate LM head: it is the embedding
                 config = dataclasses.replace(config, tie_word_embeddings=True)
+            config = dataclasses.replace(config, attention_bias="blk.0.attn_q.bias" in self.file.tensors)
         generation = {"eos_token_id": config.eos_token_id} if config.eos_token_id is not None else {}
         super().__init__(path, model_id or os.path.basename(path), config,
                          "llama.cpp GGUF names (blk.N.attn_q.weight, ...)", generation)

@@ -42,11 +42,13 @@ class Qwen2Attention(nn.Module):
         """layer_idx: this layer's index in the stage's KV cache."""
         super().__init__()
         head_dim = config.head_dim
+        qkv_bias, o_bias = self.biases(config)
         self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
-                                          config.num_key_value_heads, bias=True, tp=tp, linear_method=linear_method)
+                                          config.num_key_value_heads, bias=qkv_bias, tp=tp,
+                                          linear_method=linear_method)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = head_dim
-        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, bias=False, tp=tp,
+        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, bias=o_bias, tp=tp,
                                         linear_method=linear_method)
         if config.mrope_section is None:
             self.rotary_emb = RotaryEmbedding(head_dim, max_position, config.rope_theta,
@@ -57,11 +59,21 @@ class Qwen2Attention(nn.Module):
                                                config.mrope_section)
         self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, head_dim, scale=head_dim ** -0.5)
 
+    @staticmethod
+    def biases(config: ModelConfig) -> tuple[bool, bool]:
+        """(q/k/v biases, o_proj bias): Qwen2 has the first (unless config.json's attention_bias says otherwise)
+        and never the second."""
+        return config.attention_bias is not False, False
+
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
         lora = attn_metadata.lora
-        q, k, v = self.rotary_emb.rotate_qkv(positions, self.qkv_proj(hidden, lora), self.num_heads,
+        q, k, v = self.rotary_emb.rotate_qkv(positions, self.project_qkv(hidden, lora), self.num_heads,
                                              self.num_kv_heads)
         return self.o_proj(self.attn(q, k, v, attn_metadata), lora)
+
+    def project_qkv(self, hidden: torch.Tensor, lora) -> torch.Tensor:
+        """[T, hidden] -> the fused q, k, v rows [T, (heads + 2 kv_heads) * head_dim] that the rotary takes."""
+        return self.qkv_proj(hidden, lora)
 
 
 class Qwen2MLP(nn.Module):
@@ -89,10 +101,17 @@ class Qwen2MLP(nn.Module):
 
 
 class Qwen2DecoderLayer(nn.Module):
+    attention_class = Qwen2Attention
+    # what the layer computes, in order, by module: the fused decode call (model/layers/decode_layers.py) runs a
+    # layer only if it runs every part named here, and every parameter of the layer lies in one of them
+    decode_parts = ("input_layernorm", "self_attn.qkv_proj", "self_attn.rotary_emb", "self_attn.attn",
+                    "self_attn.o_proj", "post_attention_layernorm", "mlp.gate_up_proj", "mlp.act_fn",
+                    "mlp.down_proj")
+
     def __init__(self, config: ModelConfig, layer_idx: int, max_position: int, tp: TensorParallel,
                  linear_method: LinearMethod | None):
         super().__init__()
-        self.self_attn = Qwen2Attention(config, layer_idx, max_position, tp, linear_method)
+        self.self_attn = self.attention_class(config, layer_idx, max_position, tp, linear_method)
         self.mlp = Qwen2MLP(config, tp, linear_method)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -115,21 +134,22 @@ class MissingLayer(nn.Module):
 def layer_cost(config: ModelConfig) -> tuple[float, float]:
     """(cost of one decoder layer, cost of the LM head) in weights read, to balance pipeline stages. The head runs
     only on the rows that sample, so it counts at a share of its weights (docs/tuning.md, "Head cost share")."""
-    h, kv = config.hidden_size, config.num_key_value_heads * config.head_dim
+    h, q, kv = config.hidden_size, config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
     head_share = this_cpu_tuning().head_cost_share
-    return h * (h + 2 * kv) + h * h + 3 * h * config.intermediate_size, head_share * config.vocab_size * h
+    return h * (q + 2 * kv) + q * h + 3 * h * config.intermediate_size, head_share * config.vocab_size * h
 
 
 class Qwen2Model(nn.Module):
     def __init__(self, config: ModelConfig, max_position: int, tp: TensorParallel, linear_method: LinearMethod | None,
-                 embedding_blocks: bool = False, pp: PipelineParallel = PipelineParallel()):
+                 embedding_blocks: bool = False, pp: PipelineParallel = PipelineParallel(),
+                 layer_class: type[Qwen2DecoderLayer] = Qwen2DecoderLayer):
         super().__init__()
         self.pp = pp
         self.start_layer, self.end_layer = pp.layer_range(config.num_hidden_layers, *layer_cost(config))
         self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, embedding_blocks)
                              if pp.is_first else None)
         self.layers = nn.ModuleList(
-            Qwen2DecoderLayer(config, i - self.start_layer, max_position, tp, linear_method)
+            layer_class(config, i - self.start_layer, max_position, tp, linear_method)
             if self.start_layer <= i < self.end_layer else MissingLayer() for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if pp.is_last else None
         # a plain list, made once: slicing the ModuleList in forward would build a new ModuleList every step
@@ -161,6 +181,7 @@ class Qwen2Model(nn.Module):
 
 @MODEL_REGISTRY.register("Qwen2ForCausalLM", gguf_architecture="qwen2")
 class Qwen2ForCausalLM(nn.Module):
+    layer_class = Qwen2DecoderLayer
     # checkpoint projection -> (fused parameter, shard id)
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", "q"),
@@ -179,7 +200,8 @@ class Qwen2ForCausalLM(nn.Module):
         self.pp = pp
         self.hidden_size = config.hidden_size
         self.dtype = torch.get_default_dtype()  # parameters are created in it (see model_loader)
-        self.model = Qwen2Model(config, max_position, tp, quantization.layers, quantization.embedding_blocks, pp)
+        self.model = Qwen2Model(config, max_position, tp, quantization.layers, quantization.embedding_blocks, pp,
+                                self.layer_class)
         self.lm_head = None
         if pp.is_last:
             # a tied head computes on the embedding's blocks where the embedding keeps them, else on its dense
