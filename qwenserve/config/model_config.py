@@ -155,6 +155,12 @@ class ModelConfig:
     # the width of one attention head: config.json's head_dim where it gives one (Qwen3: 128 even where
     # hidden / heads is 64), else hidden_size / num_attention_heads
     head_dim: int | None = None
+    # the width of one attention head: config.json's head_dim where it gives one (Qwen3: 128 even where
+    # hidden / heads is 64), else hidden_size / num_attention_heads
+    head_dim: int | None = None
+    # the attention projections' biases as config.json's attention_bias says; None: the family's own default
+    # (Qwen2: q/k/v biases; Qwen3: none)
+    attention_bias: bool | None = None
     # q/k/v projection biases as config.json's attention_bias says; None: the family's own default (Qwen2 has
     # them, Qwen3 not)
     attention_bias: bool | None = None
