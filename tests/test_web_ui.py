@@ -375,10 +375,10 @@ MARKDOWN_CASES = {  # {url}: the page's own origin (a relative link is written b
     "**a *b* c** and *a **b** c* and \\*not\\*":
         "<p><strong>a <em>b</em> c</strong> and <em>a <strong>b</strong> c</em> and *not*</p>",
     "# Title #\n### Sub\none\ntwo\n\n---\n> quoted":
-        "<h1>Title</h1><h3>Sub</h3><p>one<br>\ntwo</p><hr><blockquote>\n<p>quoted</p>\n</blockquote>",
+        "<h1>Title</h1><h3>Sub</h3><p>one<br>\ntwo</p><hr><blockquote><p>quoted</p></blockquote>",
     "- a\n- b\n  1. c\n  2. d\n- e":
-        "<ul>\n<li>a</li>\n<li>b\n<ol>\n<li>c</li>\n<li>d</li>\n</ol>\n</li>\n<li>e</li>\n</ul>",
-    "3. three\n\n4. four": '<ol start="3">\n<li>\n<p>three</p>\n</li>\n<li>\n<p>four</p>\n</li>\n</ol>',
+        "<ul><li>a</li><li>b\n<ol><li>c</li><li>d</li></ol></li><li>e</li></ul>",
+    "3. three\n\n4. four": '<ol start="3"><li><p>three</p></li><li><p>four</p></li></ol>',
     "[docs](https://example.com/a?b=1&c=2 \"Docs\") and https://example.com/x.":
         f'<p><a href="https://example.com/a?b=1&amp;c=2" title="Docs" {LINK}>docs</a> and '
         f'<a href="https://example.com/x" {LINK}>https://example.com/x</a>.</p>',
@@ -387,9 +387,9 @@ MARKDOWN_CASES = {  # {url}: the page's own origin (a relative link is written b
         f'<a href="mailto:a@b.c" {LINK}>mailto:a@b.c</a> <a href="{{url}}/p.png" title="T" {LINK}>alt text</a> '
         "example.com</p>",
     "| a | b |\n|:--|--:|\n| 1 | **2** |":
-        '<div class="table-wrap"><table>\n<thead>\n<tr>\n<th class="align-left">a</th>\n'
-        '<th class="align-right">b</th>\n</tr>\n</thead>\n<tbody>\n<tr>\n<td class="align-left">1</td>\n'
-        '<td class="align-right"><strong>2</strong></td>\n</tr>\n</tbody>\n</table></div>',
+        '<div class="table-wrap"><table><thead><tr><th class="align-left">a</th><th class="align-right">b</th>'
+        '</tr></thead><tbody><tr><td class="align-left">1</td><td class="align-right"><strong>2</strong></td></tr>'
+        "</tbody></table></div>",
     "```python\nif a < b:\n    print('*x*')\n```\nafter":
         f'<div class="code-block">{CODE_HEAD.format("python")}<pre><code class="language-python">if a &lt; b:\n'
         "    print('*x*')</code></pre></div><p>after</p>",

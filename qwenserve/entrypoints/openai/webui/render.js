@@ -19,7 +19,7 @@ const ANSWER_CLASS = /^(?:language-[\w+#.-]{1,40}|align-(?:left|center|right))$/
 const BLOCK_DEPTH = 16;
 const INLINE_DEPTH = 16;
 const MAX_NESTING = 20;
-const MAX_NODES = 16000;
+const MAX_NODES = 12000;
 
 // The URL `href` names as the browser parses it (absolute), or null when it is not http(s), mailto or relative.
 function safeHref(href) {
@@ -96,15 +96,13 @@ md.renderer.rules.image = (tokens, idx, options, env, self) => {
 };
 
 // About how many DOM nodes a token becomes (the sanitizer's work, and the page's): an opening tag one element, a
-// text one node, code two, a code block its chrome too, a block's tag a newline text more; a closing tag none. A
-// link counts three: its URL is parsed and it gets two more attributes.
+// text one node, code two, a code block its chrome too; a closing tag none. A link counts three: its URL is parsed
+// and it gets two more attributes.
 function nodeCost(token) {
-  if (token.type === "inline") return 0;  // its children are counted
-  const newline = token.block ? 1 : 0;
-  if (token.nesting === -1) return newline;
-  if (token.type === "fence" || token.type === "code_block") return 8 + newline;
+  if (token.type === "inline" || token.nesting === -1) return 0;  // an inline token's children are counted
+  if (token.type === "fence" || token.type === "code_block") return 8;
   if (token.type === "link_open" || token.type === "image") return 3;
-  return (token.type === "text" || token.nesting === 1 ? 1 : 2) + newline;
+  return token.type === "text" || token.nesting === 1 ? 1 : 2;
 }
 
 // The answer as top-level blocks, each one HTML string: a streamed answer re-renders only the blocks that changed.
@@ -125,7 +123,9 @@ function markdownBlocks(text) {
       blocks.push(plainRest(text, tokens[start].map ? tokens[start].map[0] : 0));
       break;
     }
-    blocks.push(md.renderer.render(tokens.slice(start, i + 1), md.options, env));
+    // without the newlines markdown-it puts between tags (half the nodes of a list or table): every < and > of
+    // the answer's text is escaped, so ">\n<" is always between two tags
+    blocks.push(md.renderer.render(tokens.slice(start, i + 1), md.options, env).replace(/>\n</g, "><"));
     start = i + 1;
   }
   return blocks;
@@ -194,19 +194,19 @@ function blockElements(htmls) {
   const fragment = purifier.sanitize(htmls.map((h) => `<section>${h}</section>`).join(""), PURIFY_BATCH);
   const sections = [...fragment.children];
   if (sections.length !== htmls.length || sections.some((s) => s.tagName !== "SECTION")) {
-    return htmls.map((h) => oneElement(purifier.sanitize(h, PURIFY)));  // never expected: one call per block
+    return htmls.map((h) => oneElement(purifier.sanitize(h, PURIFY), h));  // never expected: one call per block
   }
-  return sections.map(oneElement);
+  return sections.map((section, k) => oneElement(section, htmls[k]));
 }
 
-// A sanitized block as one element, with the page's chrome around code blocks and tables.
-function oneElement(parent) {
-  for (const pre of parent.querySelectorAll("pre")) codeBlock(pre);
-  for (const table of parent.querySelectorAll("table")) tableWrap(table);
-  const elements = [...parent.children];
-  if (elements.length === 1) return elements[0];
+// A sanitized block as one element, with the page's chrome around code blocks and tables (`html`, the block's
+// markup, says whether it has any: most blocks have none).
+function oneElement(parent, html) {
+  if (html.includes("<pre")) for (const pre of parent.querySelectorAll("pre")) codeBlock(pre);
+  if (html.includes("<table")) for (const table of parent.querySelectorAll("table")) tableWrap(table);
+  if (parent.childElementCount === 1) return parent.firstElementChild;
   const div = document.createElement("div");  // a block the sanitizer split or emptied
-  div.append(...elements);
+  div.append(...parent.children);
   return div;
 }
 
