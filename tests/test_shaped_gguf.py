@@ -1,4 +1,4 @@
-"""`bench shaped-gguf`: Qwen2.5-shaped GGUF files with random weights in llama.cpp's Q4_K_M type mix. Reduced shapes
+"""`bench shaped-gguf`: Qwen2.5- and Qwen3-shaped GGUF files with random weights in llama.cpp's Q4_K_M type mix. Reduced shapes
 are written with a tiny tokenizer (quick) and with the bundled one (slow); the real shapes' type plans are checked
 without writing them. The expected types are spelled out here layer by layer, from llama.cpp's rule (attn_v and
 ffn_down in Q6_K on the first and last eighth of the layers and every third one between, the LM head in Q6_K,
@@ -32,25 +32,35 @@ SMALL = ModelShape("tiny", hidden_size=256, num_layers=16, num_heads=4, num_kv_h
                    tied_embeddings=True)
 SMALL_UNTIED = ModelShape("tiny", hidden_size=256, num_layers=4, num_heads=2, num_kv_heads=1, intermediate_size=512,
                           tied_embeddings=False)
+# Qwen3: heads of 128 over a hidden size of 256 (hidden / heads would be 64), as the published 0.6B has
+SMALL_QWEN3 = ModelShape("tiny", hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=512,
+                         tied_embeddings=False, architecture="qwen3", explicit_head_dim=128)
 Q4_K, Q6_K, F32 = "Q4_K", "Q6_K", "F32"
 
 
 def expected_types(shape: ModelShape, vocab: int) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """name -> (type, torch-order shape) of every tensor a Qwen2 Q4_K_M file of `shape` holds."""
-    h, kv, ff = shape.hidden_size, shape.num_kv_heads * (shape.hidden_size // shape.num_heads), shape.intermediate_size
+    """name -> (type, torch-order shape) of every tensor a Qwen2 (q/k/v biases) or Qwen3 (per-head q/k norms)
+    Q4_K_M file of `shape` holds."""
+    head_dim = shape.explicit_head_dim or shape.hidden_size // shape.num_heads
+    h, ff = shape.hidden_size, shape.intermediate_size
+    q, kv = shape.num_heads * head_dim, shape.num_kv_heads * head_dim
     want = {"token_embd.weight": (Q6_K if shape.tied_embeddings else Q4_K, (vocab, h)),
             "output_norm.weight": (F32, (h,))}
     if not shape.tied_embeddings:
         want["output.weight"] = (Q6_K, (vocab, h))
     for i in range(shape.num_layers):
         more = Q6_K if i in MORE_BITS[shape.num_layers] else Q4_K
-        want |= {f"blk.{i}.attn_q.weight": (Q4_K, (h, h)), f"blk.{i}.attn_k.weight": (Q4_K, (kv, h)),
-                 f"blk.{i}.attn_v.weight": (more, (kv, h)), f"blk.{i}.attn_output.weight": (Q4_K, (h, h)),
+        want |= {f"blk.{i}.attn_q.weight": (Q4_K, (q, h)), f"blk.{i}.attn_k.weight": (Q4_K, (kv, h)),
+                 f"blk.{i}.attn_v.weight": (more, (kv, h)), f"blk.{i}.attn_output.weight": (Q4_K, (h, q)),
                  f"blk.{i}.ffn_gate.weight": (Q4_K, (ff, h)), f"blk.{i}.ffn_up.weight": (Q4_K, (ff, h)),
                  f"blk.{i}.ffn_down.weight": (more, (h, ff)),
-                 f"blk.{i}.attn_q.bias": (F32, (h,)), f"blk.{i}.attn_k.bias": (F32, (kv,)),
-                 f"blk.{i}.attn_v.bias": (F32, (kv,)),
                  f"blk.{i}.attn_norm.weight": (F32, (h,)), f"blk.{i}.ffn_norm.weight": (F32, (h,))}
+        if shape.architecture == "qwen2":
+            want |= {f"blk.{i}.attn_q.bias": (F32, (q,)), f"blk.{i}.attn_k.bias": (F32, (kv,)),
+                     f"blk.{i}.attn_v.bias": (F32, (kv,))}
+        else:
+            want |= {f"blk.{i}.attn_q_norm.weight": (F32, (head_dim,)),
+                     f"blk.{i}.attn_k_norm.weight": (F32, (head_dim,))}
     return want
 
 
@@ -73,7 +83,7 @@ def small_file(tiny_tokenizer_gguf, tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("shape", [SMALL, SMALL_UNTIED], ids=["tied", "untied"])
+@pytest.mark.parametrize("shape", [SMALL, SMALL_UNTIED, SMALL_QWEN3], ids=["tied", "untied", "qwen3"])
 def test_every_tensor_has_the_q4_k_m_type_and_shape(shape, tiny_tokenizer_gguf, tmp_path):
     path = str(tmp_path / "m.gguf")
     result = write_shaped_gguf(shape, path, seed=1, tokenizer_gguf=tiny_tokenizer_gguf)
@@ -85,14 +95,15 @@ def test_every_tensor_has_the_q4_k_m_type_and_shape(shape, tiny_tokenizer_gguf, 
     assert q6 == 2 * len(MORE_BITS[shape.num_layers]) + 1  # v and down on those layers, and the LM head
 
 
-@pytest.mark.parametrize("name", ["1.5b", "3b", "7b"])
+@pytest.mark.parametrize("name", ["1.5b", "3b", "7b", "qwen3-1.7b", "qwen3-8b"])
 def test_the_real_shapes_plan_the_q4_k_m_types(name):
     shape = SHAPES[name]
     plan = {t.name: (t.ggml_type.name, t.shape) for t in tensor_plan(shape, vocab_size=151936)}
     assert plan == expected_types(shape, vocab=151936)
     weights = sum(math.prod(t.shape) for t in tensor_plan(shape, 151936) if len(t.shape) == 2)
-    # the published parameter counts: 1.54B, 3.09B, 7.62B (an untied 7B counts its LM head)
-    assert round(weights / 1e9, 1) == {"1.5b": 1.5, "3b": 3.1, "7b": 7.6}[name]
+    # the published parameter counts: 1.54B, 3.09B, 7.62B, Qwen3 1.7B (2.03B with its embedding) and 8.2B (an
+    # untied model counts its LM head)
+    assert round(weights / 1e9, 1) == {"1.5b": 1.5, "3b": 3.1, "7b": 7.6, "qwen3-1.7b": 1.7, "qwen3-8b": 8.2}[name]
 
 
 def test_metadata_is_the_sources_with_the_shape_and_name_replaced(small_file, tiny_tokenizer_gguf):
@@ -229,3 +240,17 @@ def test_with_the_bundled_tokenizer_it_loads_and_generates(ops, tmp_path):
     _, out = greedy_with_logits(path, "def fibonacci(n):")
     assert len(out.token_ids) == 4 and all(torch.isfinite(logits).all() for logits in out.logits)
     assert isinstance(out.text, str)
+
+
+def test_a_qwen3_file_keeps_no_qwen2_keys_and_runs(ops, tiny_tokenizer_gguf, tmp_path):
+    path = str(tmp_path / "qwen3.gguf")
+    write_shaped_gguf(SMALL_QWEN3, path, seed=2, tokenizer_gguf=tiny_tokenizer_gguf)
+    written = GGUFFile(path).metadata
+    assert written["general.architecture"] == "qwen3" and not [k for k in written if k.startswith("qwen2.")]
+    assert written["qwen3.attention.key_length"] == written["qwen3.attention.value_length"] == 128
+    assert written["qwen3.embedding_length"] == 256 and written["qwen3.attention.head_count"] == 4
+    llm, out = greedy_with_logits(path, {"prompt_token_ids": [5, 77, 120, 9]})
+    config = llm.engine.resolved_model.config
+    assert (config.architectures[0], config.head_dim, config.attention_bias) == ("Qwen3ForCausalLM", 128, False)
+    for token, logits in zip(out.token_ids, out.logits):
+        assert torch.isfinite(logits).all() and logits.std() > 0.05 and token == int(logits.argmax())

@@ -1,7 +1,10 @@
-"""`qwenserve bench shaped-gguf`: Qwen2.5-1.5B-, 3B- and 7B-shaped GGUF files with random weights, in the type
-mix llama.cpp's quantizer gives LLAMA_FTYPE_MOSTLY_Q4_K_M, for timing only (their text is noise).
+"""`qwenserve bench shaped-gguf`: Qwen2.5-1.5B-, 3B- and 7B-shaped and Qwen3-1.7B- and 8B-shaped GGUF files with
+random weights, in the type mix llama.cpp's quantizer gives LLAMA_FTYPE_MOSTLY_Q4_K_M, for timing only (their text
+is noise).
 
-The shapes are those of the published Qwen2.5 config.json files. The tokenizer and the rest of the metadata are
+The shapes are those of the published Qwen2.5 and Qwen3 config.json files. A Qwen3 file (general.architecture
+qwen3) has no q/k/v biases, a per-head RMSNorm weight for queries and keys in each layer (attn_q_norm,
+attn_k_norm, F32) and its head width as qwen3.attention.key_length / value_length. The tokenizer and the rest of the metadata are
 copied from another GGUF file (the bundled model by default): every key but the shape keys and the name keys.
 
 The type of each tensor follows llama.cpp's quantizer (`src/llama-quant.cpp`, `llama_tensor_get_type_impl`,
@@ -41,12 +44,12 @@ from qwenserve.model.loader.gguf_file import GGUFFile
 Q4_K, Q6_K, F32 = GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K, GGMLQuantizationType.F32
 QK_K = 256  # weights per K-quant block
 WEIGHT_STD = 0.02
-ARCH = "qwen2"
+SOURCE_ARCH = "qwen2"  # the tokenizer file's architecture (the bundled model's)
 
 
 @dataclass(frozen=True)
 class ModelShape:
-    """A Qwen2 decoder's shape; the vocabulary is the tokenizer's."""
+    """A Qwen2 or Qwen3 decoder's shape; the vocabulary is the tokenizer's."""
     size_label: str  # general.size_label, e.g. "1.5B"
     hidden_size: int
     num_layers: int
@@ -57,8 +60,12 @@ class ModelShape:
     context_length: int = 32768
     rope_theta: float = 1_000_000.0
     rms_norm_eps: float = 1e-6
+    architecture: str = "qwen2"  # general.architecture: qwen2 or qwen3
+    explicit_head_dim: int | None = None  # Qwen3's head_dim; None: hidden_size / num_heads
 
     def __post_init__(self):
+        if self.architecture not in ("qwen2", "qwen3"):
+            raise ValueError(f"shape architecture must be qwen2 or qwen3, got {self.architecture!r}")
         for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "context_length"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"shape {name} must be a positive integer, got {getattr(self, name)!r}")
@@ -66,23 +73,39 @@ class ModelShape:
             if getattr(self, name) % QK_K:
                 raise ValueError(f"shape {name} {getattr(self, name)} is not a multiple of {QK_K}: its rows would not "
                                  "be whole Q4_K/Q6_K blocks (llama.cpp would fall back to other types)")
-        if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 2:
+        if self.explicit_head_dim is None and (self.hidden_size % self.num_heads or
+                                               (self.hidden_size // self.num_heads) % 2):
             raise ValueError(f"shape hidden_size {self.hidden_size} does not split into {self.num_heads} heads of an "
                              "even size")
+        if self.explicit_head_dim is not None and (self.explicit_head_dim % 2 or self.q_size % QK_K):
+            raise ValueError(f"shape head_dim {self.explicit_head_dim} must be even, and heads x head_dim a "
+                             f"multiple of {QK_K}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"shape num_heads {self.num_heads} is not a multiple of num_kv_heads "
                              f"{self.num_kv_heads}")
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.explicit_head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def family(self) -> str:
+        return {"qwen2": "Qwen2.5", "qwen3": "Qwen3"}[self.architecture]
 
 
-# from the published Qwen2.5 config.json files
+# from the published Qwen2.5 and Qwen3 config.json files
 SHAPES = {
     "1.5b": ModelShape("1.5B", 1536, 28, 12, 2, 8960, tied_embeddings=True),
     "3b": ModelShape("3B", 2048, 36, 16, 2, 11008, tied_embeddings=True),
     "7b": ModelShape("7B", 3584, 28, 28, 4, 18944, tied_embeddings=False),
+    "qwen3-1.7b": ModelShape("1.7B", 2048, 28, 16, 8, 6144, tied_embeddings=True, context_length=40960,
+                             architecture="qwen3", explicit_head_dim=128),
+    "qwen3-8b": ModelShape("8B", 4096, 36, 32, 8, 12288, tied_embeddings=False, context_length=40960,
+                           architecture="qwen3", explicit_head_dim=128),
 }
 
 
@@ -117,7 +140,8 @@ def q4_k_m_type(name: str, num_layers: int, tied_embeddings: bool) -> GGMLQuanti
 def tensor_plan(shape: ModelShape, vocab_size: int) -> list[PlannedTensor]:
     """Every tensor of the file in the order written, the bundled file's: the LM head (untied only), the
     embedding, each layer's tensors by name, the final norm."""
-    h, kv = shape.hidden_size, shape.num_kv_heads * shape.head_dim
+    h, q, kv = shape.hidden_size, shape.q_size, shape.num_kv_heads * shape.head_dim
+    biased = shape.architecture == "qwen2"
 
     def weight(name: str, rows: int, row_length: int) -> PlannedTensor:
         return PlannedTensor(name, (rows, row_length), q4_k_m_type(name, shape.num_layers, shape.tied_embeddings))
@@ -131,12 +155,14 @@ def tensor_plan(shape: ModelShape, vocab_size: int) -> list[PlannedTensor]:
             weight(f"blk.{i}.ffn_gate.weight", shape.intermediate_size, h),
             weight(f"blk.{i}.ffn_up.weight", shape.intermediate_size, h),
             PlannedTensor(f"blk.{i}.ffn_norm.weight", (h,), F32),
-            PlannedTensor(f"blk.{i}.attn_k.bias", (kv,), F32),
+            *([PlannedTensor(f"blk.{i}.attn_k.bias", (kv,), F32)] if biased else []),
             weight(f"blk.{i}.attn_k.weight", kv, h),
-            weight(f"blk.{i}.attn_output.weight", h, h),
-            PlannedTensor(f"blk.{i}.attn_q.bias", (h,), F32),
-            weight(f"blk.{i}.attn_q.weight", h, h),
-            PlannedTensor(f"blk.{i}.attn_v.bias", (kv,), F32),
+            *([] if biased else [PlannedTensor(f"blk.{i}.attn_k_norm.weight", (shape.head_dim,), F32)]),
+            weight(f"blk.{i}.attn_output.weight", h, q),
+            *([PlannedTensor(f"blk.{i}.attn_q.bias", (q,), F32)] if biased else []),
+            weight(f"blk.{i}.attn_q.weight", q, h),
+            *([] if biased else [PlannedTensor(f"blk.{i}.attn_q_norm.weight", (shape.head_dim,), F32)]),
+            *([PlannedTensor(f"blk.{i}.attn_v.bias", (kv,), F32)] if biased else []),
             weight(f"blk.{i}.attn_v.weight", kv, h),
         ]
         plan.extend(layer)
@@ -240,19 +266,23 @@ def tensor_bytes(tensor: PlannedTensor, rng: np.random.Generator):
 # metadata keys that describe the shape or name the model; every other key of the source file is copied
 def _own_metadata(shape: ModelShape) -> dict[str, tuple[object, GGUFValueType]]:
     u32, f32, text = GGUFValueType.UINT32, GGUFValueType.FLOAT32, GGUFValueType.STRING
+    arch = shape.architecture
+    head_width = ({f"{arch}.attention.key_length": (shape.head_dim, u32),
+                   f"{arch}.attention.value_length": (shape.head_dim, u32)} if shape.explicit_head_dim else {})
     return {
-        "general.name": (f"Qwen2.5 {shape.size_label} shaped, random weights (for timing only)", text),
-        "general.basename": ("Qwen2.5-shaped", text),
+        "general.name": (f"{shape.family} {shape.size_label} shaped, random weights (for timing only)", text),
+        "general.basename": (f"{shape.family}-shaped", text),
         "general.finetune": ("random-weights", text),
         "general.size_label": (shape.size_label, text),
-        f"{ARCH}.block_count": (shape.num_layers, u32),
-        f"{ARCH}.context_length": (shape.context_length, u32),
-        f"{ARCH}.embedding_length": (shape.hidden_size, u32),
-        f"{ARCH}.feed_forward_length": (shape.intermediate_size, u32),
-        f"{ARCH}.attention.head_count": (shape.num_heads, u32),
-        f"{ARCH}.attention.head_count_kv": (shape.num_kv_heads, u32),
-        f"{ARCH}.rope.freq_base": (shape.rope_theta, f32),
-        f"{ARCH}.attention.layer_norm_rms_epsilon": (shape.rms_norm_eps, f32),
+        f"{arch}.block_count": (shape.num_layers, u32),
+        f"{arch}.context_length": (shape.context_length, u32),
+        f"{arch}.embedding_length": (shape.hidden_size, u32),
+        f"{arch}.feed_forward_length": (shape.intermediate_size, u32),
+        f"{arch}.attention.head_count": (shape.num_heads, u32),
+        f"{arch}.attention.head_count_kv": (shape.num_kv_heads, u32),
+        **head_width,
+        f"{arch}.rope.freq_base": (shape.rope_theta, f32),
+        f"{arch}.attention.layer_norm_rms_epsilon": (shape.rms_norm_eps, f32),
         "general.file_type": (int(LlamaFileType.MOSTLY_Q4_K_M), u32),
     }
 
@@ -260,9 +290,9 @@ def _own_metadata(shape: ModelShape) -> dict[str, tuple[object, GGUFValueType]]:
 def _metadata(shape: ModelShape, source: GGUFFile) -> list[tuple[str, object, GGUFValueType, GGUFValueType | None]]:
     """(key, value, type, array item type) in the source's order, the shape and name keys replaced (or added)."""
     arch = source.metadata.get("general.architecture")
-    if arch != ARCH:
-        raise ValueError(f"{source.path} is a {arch!r} model; the tokenizer and metadata must come from a {ARCH!r} "
-                         "GGUF file")
+    if arch != SOURCE_ARCH:
+        raise ValueError(f"{source.path} is a {arch!r} model; the tokenizer and metadata must come from a "
+                         f"{SOURCE_ARCH!r} GGUF file")
     if not source.metadata.get("tokenizer.ggml.tokens"):
         raise ValueError(f"{source.path} has no tokenizer (tokenizer.ggml.tokens) to copy")
     own = _own_metadata(shape)
@@ -270,6 +300,8 @@ def _metadata(shape: ModelShape, source: GGUFFile) -> list[tuple[str, object, GG
     for key, value in source.metadata.items():
         if key == "general.architecture":
             continue  # GGUFWriter writes it first
+        if key.startswith(f"{SOURCE_ARCH}."):  # the source's own architecture keys, under the shape's
+            key = f"{shape.architecture}.{key.removeprefix(SOURCE_ARCH + '.')}"
         if key in own:
             value, vtype = own.pop(key)
             out.append((key, value, vtype, None))
@@ -300,7 +332,7 @@ def write_shaped_gguf(shape: ModelShape, output: str, seed: int = 0, tokenizer_g
 
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     partial = f"{output}.partial"
-    writer = GGUFWriter(partial, ARCH)
+    writer = GGUFWriter(partial, shape.architecture)
     try:
         for key, value, vtype, item_type in metadata:
             writer.add_key_value(key, value, vtype, sub_type=item_type)

@@ -90,7 +90,8 @@ def register(sub) -> None:
     ar.add_argument("--json", action="store_true")
 
     from qwenserve.benchmarks.shaped_gguf import SHAPES
-    shaped = bench_sub.add_parser("shaped-gguf", help="write a Qwen2.5-1.5B/3B/7B-shaped GGUF with random weights in "
+    shaped = bench_sub.add_parser("shaped-gguf", help="write a Qwen2.5-1.5B/3B/7B- or Qwen3-1.7B/8B-shaped GGUF with "
+                                                      "random weights in "
                                                       "llama.cpp's Q4_K_M type mix, to time (its text is noise)")
     shaped.add_argument("--shape", choices=list(SHAPES), required=True)
     shaped.add_argument("--output", required=True, help="the .gguf file to write")
