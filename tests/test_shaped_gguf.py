@@ -1,8 +1,8 @@
-"""`bench shaped-gguf`: Qwen2.5- and Qwen3-shaped GGUF files with random weights in llama.cpp's Q4_K_M type mix. Reduced shapes
-are written with a tiny tokenizer (quick) and with the bundled one (slow); the real shapes' type plans are checked
-without writing them. The expected types are spelled out here layer by layer, from llama.cpp's rule (attn_v and
-ffn_down in Q6_K on the first and last eighth of the layers and every third one between, the LM head in Q6_K,
-the embedding in Q6_K where it is the LM head), not computed by the code under test."""
+"""`bench shaped-gguf`: Qwen2.5- and Qwen3-shaped GGUF files with random weights in llama.cpp's Q4_K_M type mix.
+Reduced shapes are written with a tiny tokenizer (quick) and with the bundled one (slow); the real shapes' type
+plans are checked without writing them. The expected types are spelled out here layer by layer, from llama.cpp's
+rule (attn_v and ffn_down in Q6_K on the first and last eighth of the layers and every third one between, the LM
+head in Q6_K, the embedding in Q6_K where it is the LM head), not computed by the code under test."""
 import json
 import math
 import os

@@ -4,8 +4,9 @@ is noise).
 
 The shapes are those of the published Qwen2.5 and Qwen3 config.json files. A Qwen3 file (general.architecture
 qwen3) has no q/k/v biases, a per-head RMSNorm weight for queries and keys in each layer (attn_q_norm,
-attn_k_norm, F32) and its head width as qwen3.attention.key_length / value_length. The tokenizer and the rest of the metadata are
-copied from another GGUF file (the bundled model by default): every key but the shape keys and the name keys.
+attn_k_norm, F32) and its head width as qwen3.attention.key_length / value_length. The tokenizer and the rest of
+the metadata are copied from another GGUF file (the bundled model by default): every key but the shape keys and the
+name keys, the source's architecture keys renamed to the shape's.
 
 The type of each tensor follows llama.cpp's quantizer (`src/llama-quant.cpp`, `llama_tensor_get_type_impl`,
 reached through `llama_tensor_get_type` for each tensor it may quantize):

@@ -1,9 +1,9 @@
 // A decode-only batch through a pipeline stage's decoder layers in one call (DecodeLayers): the CPU's stand-in for
 // a captured graph. It calls the same kernels in the same order as the layer modules do one by one (norms, the
 // projections' ggml_mm segments, the per-head q/k norms where the layer has them, rotary, the KV write, paged
-// decode attention, SiLU), so its results are bit-identical to theirs; what it removes is the Python between the calls, which at batch 1 on a small model is
-// a sixth of a step (docs/performance.md, "Decode layers in one call"). Built once per model and KV cache by
-// model/layers/decode_layers.py, which also decides when a step may take it.
+// decode attention, SiLU), so its results are bit-identical to theirs; what it removes is the Python between the
+// calls, which at batch 1 on a small model is a sixth of a step (docs/performance.md, "Decode layers in one call").
+// Built once per model and KV cache by model/layers/decode_layers.py, which also decides when a step may take it.
 
 #include "decode_layers.h"
 

@@ -134,7 +134,8 @@ class MissingLayer(nn.Module):
 def layer_cost(config: ModelConfig) -> tuple[float, float]:
     """(cost of one decoder layer, cost of the LM head) in weights read, to balance pipeline stages. The head runs
     only on the rows that sample, so it counts at a share of its weights (docs/tuning.md, "Head cost share")."""
-    h, q, kv = config.hidden_size, config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    h, d = config.hidden_size, config.head_dim
+    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
     head_share = this_cpu_tuning().head_cost_share
     return h * (q + 2 * kv) + q * h + 3 * h * config.intermediate_size, head_share * config.vocab_size * h
 
