@@ -165,23 +165,26 @@ function numberField(id) {
   return value === "" ? undefined : Number(value);  // empty: the server's default
 }
 
-// Server-sent events from a fetch() body: yields each `data:` payload parsed as JSON, until [DONE].
+// Server-sent events from a fetch() body: yields each `data:` payload parsed as JSON, until [DONE]. Each character
+// is scanned once and each event sliced out once, however the body is split into reads.
 async function* sseEvents(body) {
   const reader = body.pipeThrough(new TextDecoderStream()).getReader();
   let buffer = "";
   for (;;) {
     const { value, done } = await reader.read();
     if (done) return;
+    const from = Math.max(0, buffer.length - 1);  // the rest held no "\n\n"; one may straddle the reads
     buffer += value.replace(/\r/g, "");
-    let end;
-    while ((end = buffer.indexOf("\n\n")) >= 0) {
-      const block = buffer.slice(0, end);
-      buffer = buffer.slice(end + 2);
+    let start = 0;
+    for (let end = buffer.indexOf("\n\n", from); end >= 0; end = buffer.indexOf("\n\n", start)) {
+      const block = buffer.slice(start, end);
+      start = end + 2;
       const data = block.split("\n").filter((l) => l.startsWith("data:"))
         .map((l) => l.slice(5).replace(/^ /, "")).join("\n");
       if (data === "[DONE]") return;
       if (data) yield JSON.parse(data);
     }
+    buffer = buffer.slice(start);
   }
 }
 
