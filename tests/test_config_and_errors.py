@@ -109,7 +109,7 @@ def test_renamed_tensor_is_named_as_missing_and_unexpected(tiny_dir):
     msg = str(err.value)
     assert "missing tensors: model.layers.1.self_attn.q_proj.weight" in msg
     assert "unexpected tensors: model.layers.1.self_attn.query.weight" in msg
-    assert "expected HF Qwen2 names" in msg
+    assert "expected HF names (model.layers.N.self_attn.q_proj.weight" in msg
 
 
 def test_wrong_shape_is_reported(tiny_dir):

@@ -6,6 +6,7 @@ included, so a lazy import cannot hide a dependency:
   types: no sample/ or lora/ module core imports reaches torch;
 - only config/ and entrypoints/ read the environment: everything below receives its settings in the config."""
 import ast
+import re
 from pathlib import Path
 
 import qwenserve
@@ -263,3 +264,38 @@ def test_layout_table_matches_the_tree():
         if rel not in listed and not any(rel.startswith(f) for f in folders):
             unlisted.append(rel)
     assert not unlisted, f"add to docs/architecture.md's layout table: {sorted(unlisted)}"
+
+
+# the modules between a checkpoint and the model class: a family (Qwen2, Qwen3, ...) is one file under
+# model/models/, so none of these may name one
+FAMILY_NEUTRAL = ["model/registry.py", "model/interface.py", "model/loader/checkpoint.py",
+                  "model/loader/model_loader.py", "model/loader/resolve.py", "model/layers/decode_layers.py",
+                  *sorted(str(p.relative_to(PACKAGE)) for p in (PACKAGE / "worker").glob("*.py"))]
+
+
+def family_names(path: Path) -> list[str]:
+    """Identifiers and string literals (docstrings aside) that name a Qwen family, e.g. Qwen2Attention, "qwen3"."""
+    tree = ast.parse(path.read_text())
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and ast.get_docstring(node, clean=False) is not None}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            text = node.value
+        elif isinstance(node, (ast.Name, ast.Attribute, ast.alias)):
+            text = {ast.Name: "id", ast.Attribute: "attr", ast.alias: "name"}[type(node)]
+            text = getattr(node, text)
+        else:
+            continue
+        if re.search(r"(?i)qwen(?!serve)", text):
+            found.append(f"{path.relative_to(PACKAGE)}:{getattr(node, 'lineno', '?')}: {text[:60]!r}")
+    return found
+
+
+def test_the_model_seam_names_no_family():
+    """The registry, the loader, the runner and the one-call decode know families only through the registry and
+    the layers' declared parts: no `if architecture == "Qwen3..."`, no family's class or constant."""
+    found = [hit for name in FAMILY_NEUTRAL for hit in family_names(PACKAGE / name)]
+    assert not found, found
+    assert len(FAMILY_NEUTRAL) > 8  # the worker's modules were found

@@ -18,7 +18,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from qwenserve.config.errors import ConfigError
-from qwenserve.config.model_config import QWEN2_DEFAULT_ROPE_THETA, ModelConfig
+from qwenserve.config.model_config import DEFAULT_ROPE_THETA, ModelConfig
 from qwenserve.config.resolved_model import ResolvedModel
 from qwenserve.model.loader import bundled
 from qwenserve.model.loader.dequant import dequantize
@@ -85,7 +85,7 @@ def reopen_checkpoint(resolved: ResolvedModel) -> Checkpoint:
 
 class HFCheckpoint(Checkpoint):
     format = "hf"
-    NAMING = "HF Qwen2 names (model.layers.N.self_attn.q_proj.weight, ...) in *.safetensors"
+    NAMING = "HF names (model.layers.N.self_attn.q_proj.weight, ...) in *.safetensors"
 
     def __init__(self, path: str, model_id: str | None = None, resolved: ResolvedModel | None = None):
         """resolved: what an engine made of this directory, whose configuration and file list are taken as
@@ -145,7 +145,7 @@ class HFCheckpoint(Checkpoint):
         return load_hf_tokenizer(self.path)
 
 
-# GGUF tensor names (llama.cpp) -> HF Qwen2 names
+# GGUF tensor names (llama.cpp) -> HF names
 _GGUF_LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
@@ -198,7 +198,7 @@ def config_from_gguf(md: dict) -> ModelConfig:
         num_key_value_heads=md.get(f"{arch}.attention.head_count_kv", heads),
         max_position_embeddings=need("context_length"),
         rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(md.get(f"{arch}.rope.freq_base", QWEN2_DEFAULT_ROPE_THETA)),
+        rope_theta=float(md.get(f"{arch}.rope.freq_base", DEFAULT_ROPE_THETA)),
         rope_scaling=scaling,
         head_dim=md.get(f"{arch}.attention.key_length"),  # absent: embedding_length / head_count
         tie_word_embeddings=False,  # decided by the tensors present, see GGUFCheckpoint
