@@ -11,7 +11,7 @@ from qwenserve.config.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-QWEN2_DEFAULT_ROPE_THETA = 1_000_000.0  # Qwen2's real default; 10,000 makes long outputs drift
+DEFAULT_ROPE_THETA = 1_000_000.0  # the Qwen models' real default; 10,000 makes long outputs drift
 QWEN2_ARCHITECTURE = "Qwen2ForCausalLM"  # what a config.json without `architectures` but model_type qwen2 runs
 ROPE_SCALING_TYPES = ("linear", "dynamic", "yarn")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -113,7 +113,7 @@ class ModelConfig:
     num_key_value_heads: int
     max_position_embeddings: int
     rms_norm_eps: float
-    rope_theta: float = QWEN2_DEFAULT_ROPE_THETA
+    rope_theta: float = DEFAULT_ROPE_THETA
     rope_scaling: dict | None = None  # {"rope_type": linear|dynamic|yarn, "factor": ..., ...}
     tie_word_embeddings: bool = False
     hidden_act: str = "silu"
@@ -230,7 +230,7 @@ class ModelConfig:
         legacy_scaling = cfg.get("rope_scaling")
         if legacy_scaling:
             rope.update(legacy_scaling)
-        rope_theta = cfg.get("rope_theta", rope.get("rope_theta", QWEN2_DEFAULT_ROPE_THETA))
+        rope_theta = cfg.get("rope_theta", rope.get("rope_theta", DEFAULT_ROPE_THETA))
         mrope_section = rope.pop("mrope_section", None)
         vision = None
         if "vision_config" in cfg:
