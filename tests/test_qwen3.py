@@ -12,32 +12,9 @@ from qwenserve.config.errors import ConfigError
 from qwenserve.config.model_config import ModelConfig
 from qwenserve.model.layers.decode_layers import FusedDecodeLayers, runs_every_part
 
-from helpers import PROMPTS, assert_hf_greedy, greedy_tokens, save_gguf, save_hf_dir, tiny_vocab
+from helpers import PROMPTS, assert_hf_greedy, greedy_tokens, save_gguf, save_hf_dir, tiny_qwen3
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-
-
-def tiny_qwen3(seed: int, **overrides):
-    """A random Qwen3ForCausalLM (float32): 4 heads of width 32 over a hidden size of 64 (hidden / heads = 16),
-    non-trivial norms (the q/k norms included)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-    tokens = tiny_vocab(320)[0]
-    kw = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-6,
-              tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-              eos_token_id=tokens.index("<|im_end|>"), bos_token_id=tokens.index("<|endoftext|>"))
-    kw.update(overrides)
-    torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(Qwen3Config(**kw)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.3 * torch.randn_like(p))
-            elif name.endswith(".bias"):
-                p.copy_(0.1 * torch.randn_like(p))
-            else:
-                p.copy_(0.08 * torch.randn_like(p))
-    return model
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])

@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 
 from qwenserve.distributed.groups import free_port
 
-from helpers import save_gguf, save_hf_dir, tiny_hf_model
+from helpers import save_gguf, save_hf_dir, tiny_hf_model, tiny_qwen3
 
 pytestmark = pytest.mark.multiproc
 
@@ -52,12 +52,15 @@ def _rank_logits(rank: int, world: int, port: int, path: str, quantization: str,
     (2, dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True), "none"),
     # GGUF blocks split by rows and on block boundaries; the embedding's blocks by vocabulary rows
     (2, dict(num_attention_heads=4, num_key_value_heads=2, vocab_size=322), "gguf"),
+    # Qwen3: heads wider than hidden / heads, per-head q/k norms each rank holds whole
+    (2, dict(qwen3=True, num_attention_heads=4, num_key_value_heads=2), "none"),
 ])
 def test_tensor_parallel_logits_equal_single_process(ops, tmp_path, tp, shape, quantization):
     from qwenserve.model.loader.model_loader import LoadedModel
     from qwenserve.worker.model_runner import full_logits
 
-    hf = tiny_hf_model(seed=31, **shape)
+    shape = dict(shape)
+    hf = tiny_qwen3(seed=31, **shape) if shape.pop("qwen3", False) else tiny_hf_model(seed=31, **shape)
     path = (save_gguf(hf, str(tmp_path / "m.gguf"), "Q8_0") if quantization == "gguf"
             else save_hf_dir(hf, str(tmp_path / "m")))
     expected = full_logits(LoadedModel(path, dtype="float32", quantization=quantization).model, IDS)
