@@ -96,3 +96,32 @@ def test_block_quantized_decode_in_one_call_equals_the_modules(ops, qwen3, tmp_p
             fused.clear()
     assert not any(fused)
     assert answers[0] == answers[1]
+
+
+def test_lora_adapter_equals_peft(qwen3, tmp_path):
+    """A PEFT adapter on every projection (q/k/v of head width 32, o_proj from 128 inputs) gives PEFT's tokens and
+    logits."""
+    import copy
+
+    import peft
+
+    from qwenserve import LoRARequest
+    hf, path = qwen3
+    torch.manual_seed(5)
+    config = peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, lora_dropout=0.0,
+                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj"])
+    adapter = peft.get_peft_model(copy.deepcopy(hf), config).eval()
+    adapter.save_pretrained(str(tmp_path / "adapter"))
+    llm = LLM(path, dtype="float32", kv_cache_memory="32MiB", enable_lora=True, max_lora_rank=4,
+              record_logits=True)
+    ids = PROMPTS[2]
+    out = llm.generate([{"prompt_token_ids": ids}], GREEDY, use_tqdm=False,
+                       lora_request=LoRARequest("a", 1, str(tmp_path / "adapter")))[0].outputs[0]
+    tokens, logits = [], []
+    with torch.no_grad():
+        for _ in range(GREEDY.max_tokens):
+            step = adapter(input_ids=torch.tensor([ids + tokens])).logits[0, -1]
+            logits.append(step)
+            tokens.append(int(step.argmax()))
+    assert list(out.token_ids) == tokens
+    torch.testing.assert_close(torch.stack(out.logits), torch.stack(logits), atol=1e-4, rtol=0)
