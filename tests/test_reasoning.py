@@ -1,9 +1,12 @@
 """The reasoning splitter (--reasoning-parser qwen3): reasoning and content of whole answers, and the same split
 for the same answer streamed in any cuts (tags cut across deltas included)."""
+import json
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from qwenserve.config.errors import ConfigError
 from qwenserve.entrypoints.openai.reasoning import ReasoningSplitter, check_reasoning_parser, thinking_open
 
 THINKING_ON = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
@@ -34,7 +37,7 @@ def test_prompt_state_and_parser_names():
     assert thinking_open(THINKING_OPENED, "<think>", "</think>")
     assert not thinking_open(THINKING_OFF, "<think>", "</think>") and not thinking_open(THINKING_ON, "<think>",
                                                                                            "</think>")
-    with pytest.raises(ValueError, match="reasoning parser 'nope' is not one of deepseek_r1, qwen3"):
+    with pytest.raises(ConfigError, match="reasoning_parser 'nope' is not one of deepseek_r1, qwen3"):
         check_reasoning_parser("nope")
 
 
@@ -58,3 +61,100 @@ def test_streamed_in_any_cuts_equals_whole(pieces, cuts, prompt):
     reasoning, content = reasoning + out.reasoning, content + out.content
     assert ((reasoning if stream.saw_reasoning else None), content) == whole
     assert len(reasoning) + len(content) <= len(answer)
+
+
+# ---- through the server and the openai client -----------------------------------------------------------------
+
+# Qwen3's switch, cut down: thinking off closes an empty think block in the prompt; `opened` (another template
+# variable, as Qwen3-Thinking-2507's template always does) leaves one open
+QWEN3_LIKE_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% elif opened %}<think>\n{% endif %}{% endif %}"
+)
+ANSWER = "<think>\nfirst, plan</think>\n\nthe answer"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """A tiny Qwen3 with the template above behind two live servers: with --reasoning-parser qwen3 and without."""
+    from helpers import live_server, save_hf_dir, tiny_qwen3
+
+    from qwenserve.config.engine_config import EngineConfig
+    from qwenserve.engine.async_engine import AsyncLLMEngine
+    from qwenserve.engine.llm_engine import LLMEngine
+    from qwenserve.entrypoints.openai.api_server import build_app
+    path = save_hf_dir(tiny_qwen3(seed=3), str(tmp_path_factory.mktemp("thinking")))
+    with open(f"{path}/chat_template.jinja", "w") as f:  # where transformers 5 keeps the template
+        f.write(QWEN3_LIKE_TEMPLATE)
+    engine = AsyncLLMEngine(LLMEngine(EngineConfig.from_kwargs(model=path, dtype="float32",
+                                                               kv_cache_memory="32MiB")))
+    try:
+        with live_server(build_app(engine, ["qwen3"], reasoning_parser="qwen3")) as url, \
+                live_server(build_app(engine, ["qwen3"])) as plain_url:
+            yield url, plain_url, engine
+    finally:
+        engine.shutdown()
+
+
+def client(url):
+    import openai
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+
+
+def ask(url, answer=ANSWER, stream=False, **kwargs):
+    """A chat completion whose answer a choice constraint fixes (a random model writes no tags of its own)."""
+    kwargs = {"model": "qwen3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 60,
+              "extra_body": {"structured_outputs": {"choice": [answer]}, **kwargs.pop("extra_body", {})}} | kwargs
+    if not stream:
+        choice = client(url).chat.completions.create(**kwargs).choices[0]
+        return getattr(choice.message, "reasoning_content", None), choice.message.content, choice.finish_reason
+    reasoning, content, finish = None, None, None
+    for chunk in client(url).chat.completions.create(stream=True, **kwargs):
+        delta = chunk.choices[0].delta
+        piece = getattr(delta, "reasoning_content", None)
+        if piece:
+            reasoning = (reasoning or "") + piece
+        if delta.content:
+            content = (content or "") + delta.content
+        finish = chunk.choices[0].finish_reason or finish
+    return reasoning, content, finish
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_reasoning_content_through_the_openai_client(served, stream):
+    url, plain_url, engine = served
+    assert ask(url, stream=stream) == ("\nfirst, plan", "\n\nthe answer", "stop")
+    # cut short inside the reasoning: reasoning only, no content
+    reasoning, content, finish = ask(url, stream=stream, max_tokens=16)  # "<think>\nfirst" is 12 tokens
+    assert finish == "length" and reasoning and "first, plan".startswith(reasoning.strip()) and content is None
+    # no reasoning parser: the answer whole, as content
+    assert ask(plain_url, stream=stream) == (None, ANSWER, "stop")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_chat_template_kwargs_reach_the_template(served, stream):
+    url, _, engine = served
+    off = {"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}
+    assert ask(url, "no thinking here", stream=stream, **off) == (None, "no thinking here", "stop")
+    opened = {"extra_body": {"chat_template_kwargs": {"opened": True}}}
+    assert ask(url, "plan</think>answer", stream=stream, **opened) == ("plan", "answer", "stop")
+    import httpx
+    counts = [httpx.post(f"{url}/tokenize", json={"model": "qwen3", "messages": [{"role": "user", "content": "hi"}],
+                                                  "chat_template_kwargs": kwargs}).json()["count"]
+              for kwargs in ({}, {"enable_thinking": False}, {"opened": True})]
+    assert counts[1] > counts[2] > counts[0]
+
+
+def test_bad_chat_template_kwargs_are_400s(served):
+    import httpx
+    url, _, engine = served
+    body = {"model": "qwen3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    for kwargs, message in (({"tools": []}, "chat_template_kwargs may not set tools"),
+                            ({"add_generation_prompt": False}, "may not set add_generation_prompt"),
+                            ([1, 2], "chat_template_kwargs")):
+        r = httpx.post(f"{url}/v1/chat/completions", json=body | {"chat_template_kwargs": kwargs})
+        assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+    from helpers import wait_idle_and_clean
+    wait_idle_and_clean(engine)

@@ -81,6 +81,9 @@ class ServerConfig:
                                             "finish for this many seconds; those still running then end with an "
                                             "error, and the server exits 0 (default: %(default)s; fits Kubernetes' "
                                             "30 s grace period)", type=float)
+    reasoning_parser: str | None = setting(None, "split a thinking model's answer: the text between <think> and "
+                                                 "</think> as the message's reasoning_content, the rest as its "
+                                                 "content; qwen3 or deepseek_r1 (vLLM's names; default: none)")
     log_requests: bool = setting(False, "log each request's prompt, parameters and outputs (never logged otherwise)")
     lora_modules: list[str] | tuple[LoRAModulePath, ...] | None = setting(
         None, "LoRA adapters served from the start (needs --enable-lora), each name=path or JSON such as "

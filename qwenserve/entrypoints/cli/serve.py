@@ -10,6 +10,7 @@ from qwenserve.config.environment import env_defaults
 from qwenserve.config.errors import ConfigError
 from qwenserve.config.server_config import API_KEY_ENV, ServerConfig
 from qwenserve.entrypoints.cli.engine_args import add_engine_args, add_setting_flag, engine_config_from_args
+from qwenserve.entrypoints.openai.reasoning import check_reasoning_parser
 
 
 def register(sub) -> None:
@@ -37,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
     from qwenserve.entrypoints.openai.graceful_shutdown import GracefulServer
 
     server = server_config_from_args(args)  # before the model loads: a bad server setting fails at once
+    check_reasoning_parser(server.reasoning_parser)
     engine_config = engine_config_from_args(args)
     if server.lora_modules and not engine_config.lora.enable_lora:
         raise ConfigError(f"--lora-modules {' '.join(m.name for m in server.lora_modules)} needs --enable-lora")
@@ -47,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
         app = build_app(engine, names, api_key, max_n=server.max_n, max_request_bytes=server.max_request_bytes,
                         allowed_origins=server.allowed_origins, metrics_public=server.metrics_public,
                         log_requests=server.log_requests, lora_modules=server.lora_modules,
-                        allow_runtime_lora_updating=server.allow_runtime_lora_updating)
+                        allow_runtime_lora_updating=server.allow_runtime_lora_updating,
+                        reasoning_parser=server.reasoning_parser)
         scheme = "https" if server.ssl_certfile else "http"
         log = logging.getLogger("qwenserve")
         log.info("serving %s at %s://%s:%d/v1", ", ".join(names + [m.name for m in server.lora_modules]), scheme,

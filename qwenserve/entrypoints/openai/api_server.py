@@ -18,6 +18,7 @@ from qwenserve.config.server_config import SERVER_DEFAULTS, LoRAModulePath
 from qwenserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from qwenserve.entrypoints.openai.chat_prompt import ChatPromptRenderer
 from qwenserve.entrypoints.openai.metrics import ServerMetrics
+from qwenserve.entrypoints.openai.reasoning import check_reasoning_parser
 from qwenserve.entrypoints.openai.middleware import (
     BodySizeLimitMiddleware,
     OpenAICORSMiddleware,
@@ -81,7 +82,8 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: st
               metrics: ServerMetrics | None = None, *, max_n: int = SERVER_DEFAULTS.max_n,
               max_request_bytes: int = SERVER_DEFAULTS.max_request_bytes, allowed_origins: list[str] | None = None,
               metrics_public: bool = False, log_requests: bool = False,
-              lora_modules: tuple[LoRAModulePath, ...] = (), allow_runtime_lora_updating: bool = False) -> FastAPI:
+              lora_modules: tuple[LoRAModulePath, ...] = (), allow_runtime_lora_updating: bool = False,
+              reasoning_parser: str | None = None) -> FastAPI:
     """The app (the settings are ServerConfig's). api_key guards every route but is_open_path's; CORS is off
     unless allowed_origins names some; prompts and outputs are logged only with log_requests. lora_modules are
     checked and registered here (a bad one raises ConfigError naming it); allow_runtime_lora_updating adds the
@@ -94,8 +96,9 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: st
                                          vision=engine.vision is not None)
     serving_completion = OpenAIServingCompletion(engine, serving_models, server_metrics, max_n, log_requests)
     chat_prompts = ChatPromptRenderer(engine)  # one renderer: /tokenize counts what chat runs
+    check_reasoning_parser(reasoning_parser)
     serving_chat = OpenAIServingChat(engine, serving_models, server_metrics, max_n, log_requests,
-                                     renderer=chat_prompts)
+                                     renderer=chat_prompts, reasoning_parser=reasoning_parser)
     serving_tokenization = OpenAIServingTokenization(engine.tokenizer, serving_models, chat_prompts)
 
     app = FastAPI(title="qwenserve")

@@ -11,13 +11,14 @@ from dataclasses import dataclass
 from qwenserve.config.errors import RequestError
 from qwenserve.entrypoints.chat_content import MediaPart, load_media, media_placeholders, split_content
 from qwenserve.entrypoints.media import MediaConnector
-from qwenserve.entrypoints.openai.serving_engine import APIError, chat_ids
+from qwenserve.entrypoints.openai.serving_engine import APIError, chat_text
 
 
 @dataclass(frozen=True)
 class ChatPrompt:
     prompt: dict  # what the engine takes: prompt_token_ids (one pad token per image or video), multi_modal_data
     parts: list[MediaPart]  # the media parts in prompt order, each named as the request names it
+    text: str = ""  # the rendered conversation (the reasoning parser reads whether it opened a think block)
 
 
 class ChatPromptRenderer:
@@ -28,8 +29,8 @@ class ChatPromptRenderer:
         self.placeholders = media_placeholders(engine.tokenizer, engine.vision)
         self.media = MediaConnector.from_config(engine.multimodal)
 
-    async def render(self, messages: list, add_generation_prompt: bool,
-                     tools: list[dict] | None = None) -> ChatPrompt:
+    async def render(self, messages: list, add_generation_prompt: bool, tools: list[dict] | None = None,
+                     template_kwargs: dict | None = None) -> ChatPrompt:
         """messages: ChatMessages. Their media are fetched and preprocessed in a thread (a remote URL takes up to
         --media-fetch-timeout, a video's resize a while; the event loop and the engine's thread serve others
         meanwhile)."""
@@ -40,8 +41,9 @@ class ChatPromptRenderer:
             media = await asyncio.to_thread(self._load_and_preprocess, parts) if parts else {}
         except RequestError as e:
             raise APIError(400, str(e), param=e.param) from e
-        ids = chat_ids(self.tokenizer, messages, add_generation_prompt, tools)
-        return ChatPrompt({"prompt_token_ids": ids} | ({"multi_modal_data": media} if media else {}), parts)
+        text = chat_text(self.tokenizer, messages, add_generation_prompt, tools, template_kwargs)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return ChatPrompt({"prompt_token_ids": ids} | ({"multi_modal_data": media} if media else {}), parts, text)
 
     def engine_ids(self, chat: ChatPrompt) -> list[int]:
         """The token ids the engine runs for the prompt: each image's and video's pad token repeated to its size

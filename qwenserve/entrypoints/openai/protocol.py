@@ -1,9 +1,9 @@
 """OpenAI request bodies (pydantic), and their translation to SamplingParams."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from qwenserve.config.errors import RequestError
 from qwenserve.entrypoints.openai.tool_calls import forced_call_grammar
@@ -192,6 +192,12 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: e.g. {"enable_thinking": false} for Qwen3
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, value):
+        return check_template_kwargs(value)
 
     @property
     def tools_in_use(self) -> list[dict] | None:
@@ -238,6 +244,22 @@ class ChatCompletionRequest(_SamplingFields):
                               forced_calls)
 
 
+# apply_chat_template's own arguments: chat_template_kwargs may not set them (the server does)
+_TEMPLATE_ARGUMENTS = ("conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                       "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+                       "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs")
+
+
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+    """chat_template_kwargs: more variables for the chat template (Qwen3's enable_thinking), none of them one the
+    server sets itself."""
+    taken = sorted(k for k in kwargs or () if k in _TEMPLATE_ARGUMENTS)
+    if taken:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(taken)}: the server sets "
+                         f"{'it' if len(taken) == 1 else 'them'} from the request's own fields")
+    return kwargs
+
+
 class TokenizeRequest(BaseModel):
     """vLLM's: a prompt's tokens, or a conversation's as chat completions run it (content parts with images and
     videos on a vision-language model, each placeholder expanded to its size in tokens)."""
@@ -246,6 +268,12 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = False
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, value):
+        return check_template_kwargs(value)
 
 
 class DetokenizeRequest(BaseModel):

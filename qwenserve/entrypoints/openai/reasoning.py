@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from qwenserve.config.errors import ConfigError
+
 # parser name -> (start tag, end tag); vLLM's names
 REASONING_PARSERS = {"qwen3": ("<think>", "</think>"), "deepseek_r1": ("<think>", "</think>")}
 
@@ -23,7 +25,7 @@ _BEFORE, _REASONING, _CONTENT = "before", "reasoning", "content"
 
 def check_reasoning_parser(name: str | None) -> None:
     if name is not None and name not in REASONING_PARSERS:
-        raise ValueError(f"reasoning parser {name!r} is not one of {', '.join(sorted(REASONING_PARSERS))}")
+        raise ConfigError(f"reasoning_parser {name!r} is not one of {', '.join(sorted(REASONING_PARSERS))}")
 
 
 def thinking_open(prompt: str, start: str, end: str) -> bool:

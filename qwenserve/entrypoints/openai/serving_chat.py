@@ -1,5 +1,6 @@
-"""/v1/chat/completions: a conversation rendered with the chat template, answered whole or streamed; with tools,
-the answer's tool calls come out as OpenAI `tool_calls` (tool_calls.py)."""
+"""/v1/chat/completions: a conversation rendered with the chat template, answered whole or streamed; with a
+reasoning parser, the answer's reasoning comes out as `reasoning_content` (reasoning.py); with tools, the tool calls
+in the rest as OpenAI `tool_calls` (tool_calls.py)."""
 from __future__ import annotations
 
 import time
@@ -9,6 +10,7 @@ from fastapi import Request
 from qwenserve.engine.outputs import RequestOutput
 from qwenserve.entrypoints.openai.chat_prompt import ChatPromptRenderer, name_the_part
 from qwenserve.entrypoints.openai.protocol import ChatCompletionRequest
+from qwenserve.entrypoints.openai.reasoning import ReasoningSplitter
 from qwenserve.entrypoints.openai.serving_engine import APIError, OpenAIServing, engine_ids_prefix, request_id, usage
 from qwenserve.entrypoints.openai.tool_calls import ToolCallParser, parse_tool_calls, tag_token_ids
 
@@ -16,18 +18,20 @@ from qwenserve.entrypoints.openai.tool_calls import ToolCallParser, parse_tool_c
 class OpenAIServingChat(OpenAIServing):
     PROMPT_PARAM = "messages"  # the prompt is made of the messages
 
-    def __init__(self, *args, renderer: ChatPromptRenderer, **kwargs):
-        """renderer: the conversations' prompts, shared with /tokenize."""
+    def __init__(self, *args, renderer: ChatPromptRenderer, reasoning_parser: str | None = None, **kwargs):
+        """renderer: the conversations' prompts, shared with /tokenize; reasoning_parser: a name in
+        reasoning.REASONING_PARSERS, or None to return answers whole as content."""
         super().__init__(*args, **kwargs)
         self.tool_tag_ids = tag_token_ids(self.tokenizer)
         self.renderer = renderer
+        self.reasoning_parser = reasoning_parser
 
     async def create_chat_completion(self, body: ChatCompletionRequest, request: Request):
         model, lora_request = self.models.resolve(body.model)
         params = self._params(body, tool_tag_ids=self.tool_tag_ids)
         tools = body.tools_in_use
         tool_names = {tool["function"]["name"] for tool in tools or ()}
-        chat = await self.renderer.render(body.messages, body.add_generation_prompt, tools)
+        chat = await self.renderer.render(body.messages, body.add_generation_prompt, tools, body.chat_template_kwargs)
         rid = f"chatcmpl-{request_id(request)}"
         created = int(time.time())
         try:
@@ -41,28 +45,38 @@ class OpenAIServingChat(OpenAIServing):
                       "finish_reason": None} for i in range(params.n)]
             header = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
             return self._stream(request, header, admitted, body,
-                                self._delta_choices(params.n, top_k, tool_names, body.parallel_tool_calls), first)
+                                self._delta_choices(params.n, top_k, tool_names, body.parallel_tool_calls,
+                                                    chat.text), first)
         out = (await self._run(admitted, request))[0]
         choices = []
         for c in out.outputs:
-            message, finish_reason = {"role": "assistant", "content": c.text}, c.finish_reason
+            reasoning, text = (ReasoningSplitter(self.reasoning_parser, chat.text).split_whole(c.text)
+                               if self.reasoning_parser else (None, c.text))
+            message, finish_reason = {"role": "assistant", "content": text}, c.finish_reason
             if tools:
-                content, calls = parse_tool_calls(c.text, tool_names)
+                content, calls = parse_tool_calls(text, tool_names)
                 calls = calls if body.parallel_tool_calls else calls[:1]
                 if calls:
                     message = {"role": "assistant", "content": content,
                                "tool_calls": [call.to_openai() for call in calls]}
                     finish_reason = _calls_finish_reason(finish_reason)
+            if reasoning is not None:  # as vLLM: an answer that is all reasoning has no content
+                message = {**message, "reasoning_content": reasoning, "content": message["content"] or None}
             choices.append({"index": c.index, "message": message, "logprobs": self._logprobs(c, top_k),
                             "finish_reason": finish_reason, "stop_reason": c.stop_reason})
         return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
                 "usage": usage([out])}
 
-    def _delta_choices(self, n: int, top_k: int, tool_names: set[str], parallel_tool_calls: bool = True):
-        """The streamed choices of each output: its new text and the logprobs not sent yet. With tools, the text
-        goes through a ToolCallParser: text that may be a call is held until it is known, and a call comes as a
-        first delta with its id and name, then its arguments piece by piece as they are written."""
+    def _delta_choices(self, n: int, top_k: int, tool_names: set[str], parallel_tool_calls: bool = True,
+                       prompt_text: str = ""):
+        """The streamed choices of each output: its new text and the logprobs not sent yet. With a reasoning
+        parser, the text first goes through a ReasoningSplitter: reasoning as `reasoning_content` deltas, the rest
+        on. With tools, that goes through a ToolCallParser: text that may be a call is held until it is known, and
+        a call comes as a first delta with its id and name, then its arguments piece by piece as they are
+        written."""
         sent_logprobs = [0] * n
+        splitters = ([ReasoningSplitter(self.reasoning_parser, prompt_text) for _ in range(n)]
+                     if self.reasoning_parser else None)
         parsers = [ToolCallParser(tool_names) for _ in range(n)] if tool_names else None
         called = [False] * n
 
@@ -74,13 +88,20 @@ class OpenAIServingChat(OpenAIServing):
                     logprobs = {"content": full[sent_logprobs[comp.index]:]}
                     sent_logprobs[comp.index] = len(full)
                 finish_reason = comp.finish_reason
+                text, deltas = comp.text_delta, []
+                if splitters is not None:
+                    split = splitters[comp.index].feed(text)
+                    if comp.finished:
+                        split += splitters[comp.index].finish()
+                    text = split.content
+                    deltas = [{"reasoning_content": split.reasoning}] if split.reasoning else []
                 if parsers is None:
-                    deltas = [{"content": comp.text_delta}] if comp.text_delta else []
+                    deltas += [{"content": text}] if text else []
                 else:
-                    events = parsers[comp.index].feed(comp.text_delta)
+                    events = parsers[comp.index].feed(text)
                     if comp.finished:
                         events += parsers[comp.index].finish()
-                    deltas = _event_deltas(events, parallel_tool_calls)
+                    deltas += _event_deltas(events, parallel_tool_calls)
                     called[comp.index] |= any("tool_calls" in delta for delta in deltas)
                     if called[comp.index]:
                         finish_reason = _calls_finish_reason(finish_reason)

@@ -17,7 +17,7 @@ from qwenserve.engine.outputs import RequestOutput
 from qwenserve.entrypoints.openai.metrics import ServerMetrics
 from qwenserve.entrypoints.openai.protocol import GUIDED
 from qwenserve.lora.request import LoRARequest
-from qwenserve.model.loader.tokenizer import chat_prompt_ids
+from qwenserve.model.loader.tokenizer import chat_prompt_text
 from qwenserve.sample.grammar import check_constraint
 from qwenserve.sample.structured_outputs import FIELD as STRUCTURED_OUTPUTS
 
@@ -76,14 +76,20 @@ def record_usage(request: Request, body: dict) -> None:
     request.state.usage = body
 
 
-def chat_ids(tokenizer, messages, add_generation_prompt: bool, tools: list[dict] | None = None) -> list[int]:
+def chat_text(tokenizer, messages, add_generation_prompt: bool, tools: list[dict] | None = None,
+              template_kwargs: dict | None = None) -> str:
     """The prompt of a conversation (with the tools shown, if any); one the chat template cannot render is the
-    messages' fault."""
+    messages' fault, or chat_template_kwargs' where the request gave some."""
     plain = [_template_message(i, m) for i, m in enumerate(messages)]
     try:
-        return chat_prompt_ids(tokenizer, plain, add_generation_prompt, tools)
+        return chat_prompt_text(tokenizer, plain, add_generation_prompt, tools, template_kwargs)
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from e
+    except Exception as e:  # jinja2's errors for a template variable the request set to something it cannot use
+        if not template_kwargs:
+            raise
+        raise APIError(400, f"the chat template failed with chat_template_kwargs {sorted(template_kwargs)}: {e}",
+                       param="chat_template_kwargs") from e
 
 
 def _template_message(index: int, message) -> dict:

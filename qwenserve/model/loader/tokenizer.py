@@ -63,11 +63,18 @@ def tokenizer_from_gguf(metadata: dict):
     )
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None) -> list[int]:
-    """Token ids of a conversation rendered with the checkpoint's chat template (showing tools, if any)."""
+def chat_prompt_text(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                     tools: list[dict] | None = None, template_kwargs: dict | None = None) -> str:
+    """A conversation rendered with the checkpoint's chat template (showing tools, if any); template_kwargs are
+    more variables for the template (Qwen3's enable_thinking)."""
     if not tokenizer.chat_template:
         raise ValueError("this checkpoint has no chat template, so chat messages cannot be formatted")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                         tools=tools)
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         tools=tools, **(template_kwargs or {}))
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
+    """Token ids of chat_prompt_text."""
+    text = chat_prompt_text(tokenizer, messages, add_generation_prompt, tools, template_kwargs)
     return tokenizer.encode(text, add_special_tokens=False)
