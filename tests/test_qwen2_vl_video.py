@@ -4,6 +4,8 @@ does: transformers' video processor itself needs torchvision, which is not insta
 get_rope_index with second_per_grid_ts, and greedy tokens equal to transformers' generate for a video prompt and
 for one mixing an image and a video; offline through generate and chat, and over HTTP as a video_url part whose
 url is the list of frame URLs."""
+import copy
+
 import httpx
 import numpy as np
 import pytest
@@ -71,9 +73,10 @@ def hf_generate(hf, tokenizer, text: str, images: list, video: list | None, max_
         expanded += [t] * n
         types += [{cfg.image_token_id: 1, cfg.video_token_id: 2}.get(t, 0)] * n
     input_ids = torch.tensor([expanded])
+    config = copy.deepcopy(hf.generation_config)  # argmax every step, an end-of-sequence token too (ignore_eos)
+    config.update(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=[])
     with torch.no_grad():
-        out = hf.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                          max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+        out = hf.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config,
                           mm_token_type_ids=torch.tensor([types]), **kwargs)
     return out[0, len(expanded):].tolist()
 

@@ -47,10 +47,10 @@ class VisionConfig:
     tokens_per_second: float | None = None
 
     def __post_init__(self):
-        for name in ("depth", "hidden_size", "out_hidden_size", "intermediate_size", "num_heads", "patch_size",
-                     "spatial_merge_size", "temporal_patch_size", "window_size"):
+        for name in ("depth", "hidden_size", "out_hidden_size", "intermediate_size", "num_heads", "in_channels",
+                     "patch_size", "spatial_merge_size", "temporal_patch_size", "window_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"config field vision_config.{name} must be a positive integer, got {value!r}")
         if self.hidden_size % self.num_heads:
             raise ConfigError(f"config field vision_config.hidden_size ({self.hidden_size}) is not divisible by "
@@ -61,10 +61,23 @@ class VisionConfig:
         if self.hidden_act not in VISION_ACTIVATIONS:
             raise ConfigError(f"config field vision_config.hidden_act is {self.hidden_act!r}; supported: "
                               f"{', '.join(VISION_ACTIVATIONS)}")
+        if self.windowed:
+            if self.window_tokens < 1:  # transformers would divide by zero cutting the windows
+                raise ConfigError(f"config field vision_config.window_size ({self.window_size}) is smaller than "
+                                  f"one merged token (patch_size {self.patch_size} x spatial_merge_size "
+                                  f"{self.spatial_merge_size} pixels)")
+            # an index past the tower names no block, as in transformers (its default names blocks 7 to 31)
+            indexes = self.fullatt_block_indexes
+            if not isinstance(indexes, tuple) or not all(isinstance(i, int) and not isinstance(i, bool)
+                                                          for i in indexes):
+                raise ConfigError(f"config field vision_config.fullatt_block_indexes must be a list of block "
+                                  f"indexes, got {indexes!r}")
 
     @classmethod
     def from_hf_dict(cls, cfg: dict, windowed: bool) -> "VisionConfig":
-        """From config.json: its vision_config and the top level's image token ids."""
+        """From config.json: its vision_config and the top level's image token ids. A field config.json leaves out
+        takes transformers' default for it (its Qwen2VLVisionConfig / Qwen2_5_VLVisionConfig), except the shape
+        fields, which must be there."""
         vision = cfg.get("vision_config")
         if not isinstance(vision, dict):
             raise ConfigError("config.json of a vision-language model lacks vision_config")
@@ -80,16 +93,30 @@ class VisionConfig:
         if missing:
             raise ConfigError(f"config.json's vision model lacks field(s) {', '.join(missing)}")
         rope = vision.get("rope_parameters") or {}
+        if rope.get("rope_type", "axial") not in ("axial", "default"):
+            raise ConfigError(f"config field vision_config.rope_parameters.rope_type is {rope['rope_type']!r}; "
+                              f"the vision towers take axial (2-D) rotary only")
+        head_dim = vision.get("head_dim")
+        if head_dim is not None and head_dim != shape["hidden_size"] // vision["num_heads"]:
+            raise ConfigError(f"config field vision_config.head_dim ({head_dim}) differs from the tower's width "
+                              f"over num_heads ({shape['hidden_size']} / {vision['num_heads']}); not supported")
+        fullatt = vision.get("fullatt_block_indexes", QWEN2_5_VL_FULLATT_BLOCKS)
         return cls(
             windowed=windowed, depth=vision["depth"], num_heads=vision["num_heads"], **shape,
             hidden_act=vision.get("hidden_act", "silu" if windowed else "quick_gelu"),
             in_channels=vision.get("in_channels", vision.get("in_chans", 3)),
             patch_size=vision.get("patch_size", 14), spatial_merge_size=vision.get("spatial_merge_size", 2),
             temporal_patch_size=vision.get("temporal_patch_size", 2), window_size=vision.get("window_size", 112),
-            fullatt_block_indexes=tuple(vision.get("fullatt_block_indexes", ())),
+            fullatt_block_indexes=(tuple(fullatt) if isinstance(fullatt, (list, tuple)) else fullatt) if windowed
+            else (),
             rope_theta=float(rope.get("rope_theta", 10000.0)),
             tokens_per_second=vision.get("tokens_per_second", 4) if windowed else None,  # 4: transformers' default
             **{k: cfg[k] for k in _VISION_TOKENS})
+
+    @property
+    def window_tokens(self) -> int:
+        """Qwen2.5-VL: a window's side in merged tokens, as transformers derives it (floored)."""
+        return self.window_size // self.spatial_merge_size // self.patch_size
 
     @property
     def merge_unit(self) -> int:
@@ -97,7 +124,9 @@ class VisionConfig:
         return self.spatial_merge_size ** 2
 
 
-VISION_ACTIVATIONS = ("quick_gelu", "gelu", "silu")
+VISION_ACTIVATIONS = ("quick_gelu", "gelu", "gelu_pytorch_tanh", "silu", "swish", "relu")
+# transformers' Qwen2_5_VLVisionConfig default: what a config.json without the field runs
+QWEN2_5_VL_FULLATT_BLOCKS = (7, 15, 23, 31)
 _VISION_TOKENS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 # vision-language architectures whose tower is Qwen2.5-VL's (windowed); the other VL architectures use Qwen2-VL's
 WINDOWED_VISION_ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration",)

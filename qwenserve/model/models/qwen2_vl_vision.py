@@ -26,11 +26,16 @@ Grid = tuple[int, int, int]  # (frames / temporal_patch_size, patch rows, patch 
 
 
 def _activation(name: str):
+    """transformers' ACT2FN for the names VisionConfig accepts."""
     if name == "quick_gelu":
         return lambda x: x * torch.sigmoid(1.702 * x)
     if name == "gelu":
         return F.gelu
-    return F.silu
+    if name == "gelu_pytorch_tanh":
+        return lambda x: F.gelu(x, approximate="tanh")
+    if name == "relu":
+        return F.relu
+    return F.silu  # silu, swish
 
 
 def patch_positions(grids: list[Grid], merge: int) -> torch.Tensor:
@@ -208,8 +213,7 @@ class VisionTransformer(nn.Module):
             for block in self.blocks:
                 x = block(x, cos, sin, whole)
             return self.merger(x)
-        order, windows = window_order(grids, cfg.spatial_merge_size,
-                                      cfg.window_size // cfg.spatial_merge_size // cfg.patch_size)
+        order, windows = window_order(grids, cfg.spatial_merge_size, cfg.window_tokens)
         order = order.to(x.device)
 
         def by_window(t: torch.Tensor) -> torch.Tensor:  # reorder whole 2x2 blocks, which stay together
