@@ -87,6 +87,41 @@ def test_streamed_call_arguments_come_in_pieces_that_add_up_to_the_whole_answers
     assert len(whole.message.tool_calls[0].function.arguments) > 10 and pieces > 3, (pieces, calls)
 
 
+def streamed(client, **kwargs) -> tuple[str | None, str, list[dict]]:
+    """(finish_reason, content, calls) of a streamed answer, each call's deltas joined by their index."""
+    calls, content, finish_reason = {}, "", None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for c in chunk.choices:
+            finish_reason = c.finish_reason or finish_reason
+            content += c.delta.content or ""
+            for d in c.delta.tool_calls or ():
+                call = calls.setdefault(d.index, {"name": "", "arguments": ""})
+                call["name"] += d.function.name or ""
+                call["arguments"] += d.function.arguments or ""
+    return finish_reason, content, [calls[i] for i in sorted(calls)]
+
+
+@pytest.mark.parametrize("parallel_tool_calls", [True, False])
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_calls_end_where_the_model_ends_them(client, tool_choice, parallel_tool_calls):
+    """A named function: exactly one call of it. "required": one call or more, the answer ending where the model
+    ends it, not at max_tokens. Both end with finish_reason tool_calls, and streamed deltas joined by index are
+    the whole answer's calls."""
+    kwargs = dict(model="qwen", messages=QUESTION, tools=[WEATHER, TIME], tool_choice=tool_choice, max_tokens=150,
+                  parallel_tool_calls=parallel_tool_calls)
+    for temperature, seed in ((0.0, None), (1.0, 1), (1.0, 2), (1.0, 3)):
+        whole = client.chat.completions.create(temperature=temperature, seed=seed, **kwargs).choices[0]
+        calls = [{"name": c.function.name, "arguments": c.function.arguments} for c in whole.message.tool_calls or ()]
+        assert whole.finish_reason == "tool_calls" and calls, whole.message
+        assert all(isinstance(json.loads(call["arguments"]), dict) for call in calls)
+        if isinstance(tool_choice, dict) or not parallel_tool_calls:
+            assert len(calls) == 1, calls
+        if isinstance(tool_choice, dict):
+            assert calls[0]["name"] == "get_weather"
+        assert streamed(client, temperature=temperature, seed=seed, **kwargs) == (
+            "tool_calls", whole.message.content or "", calls)
+
+
 def test_tool_choice_none_answers_in_text(client):
     choice = client.chat.completions.create(model="qwen", messages=QUESTION, tools=[WEATHER], tool_choice="none",
                                             temperature=0.0, max_tokens=30).choices[0]
