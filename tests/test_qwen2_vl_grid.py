@@ -8,6 +8,7 @@ vision tower's rows equal transformers' (float32 rounding), M-RoPE positions equ
 greedy tokens equal its generate, batched with text-only prompts and again from the prefix cache; and through the
 OpenAI server with the openai client, data: and http:// URLs."""
 import http.server
+import io
 import threading
 
 import numpy as np
@@ -15,17 +16,21 @@ import openai
 import pytest
 import torch
 from helpers import live_server
+from transformers import AutoTokenizer
 from vl_helpers import (IMAGE, data_url, hf_greedy, hf_image_processor, random_image, save_hf_vl_dir,
                         tiny_hf_vl_model)
 
 from qwenserve import LLM, SamplingParams
+from qwenserve.config.engine_config import EngineConfig
 from qwenserve.config.errors import ConfigError
 from qwenserve.config.model_config import ModelConfig
+from qwenserve.engine.async_engine import AsyncLLMEngine
+from qwenserve.engine.llm_engine import LLMEngine
+from qwenserve.entrypoints.openai.api_server import build_app
 from qwenserve.model.layers.rotary import mrope_positions
-from qwenserve.model.loader.model_loader import LoadedModel
 from qwenserve.model.models.qwen2_vl_processor import Qwen2VLProcessor
 
-MAX_PIXELS = 28 * 28 * 256  # the published processors' min_pixels, a max that keeps the images small
+MAX_PIXELS = 28 * 28 * 256  # up to 256 tokens an image: small enough to run quickly, large enough to scale down
 # (kind, vision_config fields, image processor fields that must agree with them)
 CONFIGS = {
     "qwen2_vl": ("qwen2_vl", {}, {}),
@@ -91,7 +96,6 @@ def test_positions_equal_get_rope_index(vl):
     hf, processor, path, images = vl
     config = ModelConfig.from_hf_dict(hf.config.to_dict())
     ours = Qwen2VLProcessor(config.vision, processor.to_dict())
-    from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(path)
     pad = hf.config.image_token_id
     for text, names in CASES:
@@ -129,12 +133,7 @@ def test_greedy_equals_transformers_batched_and_from_the_prefix_cache(vl, llm):
 def test_openai_server_data_and_http_urls(vl):
     """Two images in one message and one in the next, as a data: URL and an http:// URL through the openai client:
     transformers' tokens."""
-    from qwenserve.config.engine_config import EngineConfig
-    from qwenserve.engine.async_engine import AsyncLLMEngine
-    from qwenserve.engine.llm_engine import LLMEngine
-    from qwenserve.entrypoints.openai.api_server import build_app
     hf, processor, path, images = vl
-    import io
     buffer = io.BytesIO()
     images["tall"].save(buffer, format="PNG")
     body = buffer.getvalue()
