@@ -156,6 +156,12 @@ class ModelConfig:
     # width positions (rope_scaling's mrope_section); None: plain 1-D rotary
     mrope_section: tuple[int, ...] | None = None
     vision: VisionConfig | None = None  # the vision tower of a vision-language checkpoint
+    # the width of one attention head: config.json's head_dim where it gives one (Qwen3: 128 even where
+    # hidden / heads is 64), else hidden_size / num_attention_heads
+    head_dim: int | None = None
+    # the attention projections' biases as config.json's attention_bias says; None: the family's own default
+    # (Qwen2: q/k/v biases; Qwen3: none)
+    attention_bias: bool | None = None
     extra: dict = field(default_factory=dict, compare=False)  # untouched config.json keys, for convert
 
     def __post_init__(self):
@@ -165,6 +171,14 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"config field {name} must be a positive integer, got {value!r}")
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ConfigError(f"config field hidden_size ({self.hidden_size}) is not divisible by "
+                                  f"num_attention_heads ({self.num_attention_heads}) and config.json gives no "
+                                  f"head_dim")
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if not isinstance(self.head_dim, int) or self.head_dim <= 0 or self.head_dim % 2:
+            raise ConfigError(f"config field head_dim must be a positive even integer, got {self.head_dim!r}")
         if self.hidden_act != "silu":
             raise ConfigError(f"config field hidden_act is {self.hidden_act!r}; Qwen models use 'silu', "
                               "the only activation qwenserve supports")
@@ -181,18 +195,6 @@ class ModelConfig:
                 raise ConfigError(f"config field rope_scaling has type {kind!r}; supported: "
                                   f"{', '.join(ROPE_SCALING_TYPES)} (or none)")
             if not self.rope_scaling.get("factor") or self.rope_scaling["factor"] < 1:
-    # the width of one attention head: config.json's head_dim where it gives one (Qwen3: 128 even where
-    # hidden / heads is 64), else hidden_size / num_attention_heads
-    head_dim: int | None = None
-    # the width of one attention head: config.json's head_dim where it gives one (Qwen3: 128 even where
-    # hidden / heads is 64), else hidden_size / num_attention_heads
-    head_dim: int | None = None
-    # the attention projections' biases as config.json's attention_bias says; None: the family's own default
-    # (Qwen2: q/k/v biases; Qwen3: none)
-    attention_bias: bool | None = None
-    # q/k/v projection biases as config.json's attention_bias says; None: the family's own default (Qwen2 has
-    # them, Qwen3 not)
-    attention_bias: bool | None = None
                 raise ConfigError(f"config field rope_scaling.factor must be >= 1, got {self.rope_scaling.get('factor')}")
         if self.mrope_section is not None:
             if len(self.mrope_section) != 3 or sum(self.mrope_section) != self.head_dim // 2:
@@ -202,14 +204,6 @@ class ModelConfig:
             if self.rope_scaling is not None and self.rope_scaling["rope_type"] == "dynamic":
                 raise ConfigError("config field rope_scaling: dynamic NTK scaling is not supported with "
                                   "mrope_section (multimodal rotary)")
-        if self.head_dim is None:
-            if self.hidden_size % self.num_attention_heads:
-                raise ConfigError(f"config field hidden_size ({self.hidden_size}) is not divisible by "
-                                  f"num_attention_heads ({self.num_attention_heads}) and config.json gives no "
-                                  f"head_dim")
-            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
-        if not isinstance(self.head_dim, int) or self.head_dim <= 0 or self.head_dim % 2:
-            raise ConfigError(f"config field head_dim must be a positive even integer, got {self.head_dim!r}")
 
     @property
     def derived_max_model_len(self) -> int:
@@ -289,6 +283,8 @@ class ModelConfig:
             architectures=tuple(archs),
             mrope_section=tuple(mrope_section) if mrope_section else None,
             vision=vision,
+            head_dim=cfg.get("head_dim"),
+            attention_bias=cfg.get("attention_bias"),
             extra={k: v for k, v in cfg.items() if k not in known},
         )
 
@@ -305,6 +301,8 @@ class ModelConfig:
             max_window_layers=self.num_hidden_layers, bos_token_id=self.bos_token_id,
             eos_token_id=self.eos_token_id, head_dim=self.head_dim,
         )
+        if self.attention_bias is not None:
+            cfg["attention_bias"] = self.attention_bias
         cfg["rope_scaling"] = dict(self.rope_scaling, type=self.rope_scaling["rope_type"]) if self.rope_scaling else None
         return cfg
 
@@ -317,8 +315,6 @@ class ModelConfig:
 
 
 def _normalize_rope_scaling(rope: dict) -> dict | None:
-            head_dim=cfg.get("head_dim"),
-            attention_bias=cfg.get("attention_bias"),
     """HF's rope dict (either form) -> None for plain RoPE, else a dict with 'rope_type' and its parameters."""
     kind = rope.get("rope_type") or rope.get("type")
     if kind in (None, "default", "mrope"):  # "mrope": Qwen2-VL's published name for plain RoPE with sections
@@ -335,8 +331,6 @@ def resolve_dtype(dtype: str | torch.dtype | None, config: ModelConfig) -> torch
             raise ConfigError(f"dtype {dtype} is not supported; use one of {sorted(DTYPES)}")
         return dtype
     if dtype in (None, "auto"):
-        if self.attention_bias is not None:
-            cfg["attention_bias"] = self.attention_bias
         return DTYPES[config.torch_dtype]
     name = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}.get(dtype, dtype)
     if name not in DTYPES:
