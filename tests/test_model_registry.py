@@ -166,8 +166,9 @@ def test_unknown_architecture_lists_the_supported_ones(tmp_path):
         LLM(path, dtype="float32")
     message = str(err.value)
     assert "architectures is ['NoSuchModelForCausalLM'], which qwenserve does not run" in message
-    assert ("supported architectures: Qwen2ForCausalLM (GGUF qwen2), Qwen2VLForConditionalGeneration, "
-            "Qwen2_5_VLForConditionalGeneration, Qwen3ForCausalLM (GGUF qwen3), " + TOY) in message
+    assert ("supported architectures: Qwen2ForCausalLM (GGUF qwen2), Qwen2MoeForCausalLM, "
+            "Qwen2VLForConditionalGeneration, "
+            "Qwen2_5_VLForConditionalGeneration, Qwen3ForCausalLM (GGUF qwen3), Qwen3MoeForCausalLM, " + TOY) in message
 
 
 def test_first_registered_of_several_architectures_runs(tmp_path):

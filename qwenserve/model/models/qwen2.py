@@ -77,14 +77,16 @@ class Qwen2Attention(nn.Module):
 
 
 class Qwen2MLP(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TensorParallel, linear_method: LinearMethod | None):
+    def __init__(self, config: ModelConfig, tp: TensorParallel, linear_method: LinearMethod | None,
+                 intermediate_size: int | None = None):
+        """intermediate_size: the MLP's width where it is not config.intermediate_size (a shared expert's)."""
         super().__init__()
+        inter = intermediate_size or config.intermediate_size
         self.rows_per_pass = this_cpu_tuning().mlp_rows_per_pass
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, tp=tp,
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter] * 2, tp=tp,
                                                        linear_method=linear_method)
         self.act_fn = SiluAndMul()
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, tp=tp,
-                                           linear_method=linear_method)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, tp=tp, linear_method=linear_method)
 
     def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
         """lora: the step's adapter batch (AttentionMetadata.lora), or None."""
@@ -109,12 +111,18 @@ class Qwen2DecoderLayer(nn.Module):
                     "mlp.down_proj")
 
     def __init__(self, config: ModelConfig, layer_idx: int, max_position: int, tp: TensorParallel,
-                 linear_method: LinearMethod | None):
+                 linear_method: LinearMethod | None, layer_number: int = 0):
+        """layer_idx: the layer's index in its stage's KV cache; layer_number: its index in the whole model."""
         super().__init__()
         self.self_attn = self.attention_class(config, layer_idx, max_position, tp, linear_method)
-        self.mlp = Qwen2MLP(config, tp, linear_method)
+        self.mlp = self.make_mlp(config, layer_number, tp, linear_method)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def make_mlp(self, config: ModelConfig, layer_number: int, tp: TensorParallel,
+                 linear_method: LinearMethod | None) -> nn.Module:
+        """The layer's MLP (a mixture-of-experts family returns its sparse block on the layers that have one)."""
+        return Qwen2MLP(config, tp, linear_method)
 
     def forward(self, positions, hidden, residual, attn_metadata):
         if residual is None:
@@ -150,7 +158,7 @@ class Qwen2Model(nn.Module):
         self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, embedding_blocks)
                              if pp.is_first else None)
         self.layers = nn.ModuleList(
-            layer_class(config, i - self.start_layer, max_position, tp, linear_method)
+            layer_class(config, i - self.start_layer, max_position, tp, linear_method, layer_number=i)
             if self.start_layer <= i < self.end_layer else MissingLayer() for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if pp.is_last else None
         # a plain list, made once: slicing the ModuleList in forward would build a new ModuleList every step

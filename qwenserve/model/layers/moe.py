@@ -1,0 +1,98 @@
+"""A mixture-of-experts MLP (Qwen2-MoE, Qwen3-MoE): a router picks each token's top-k experts, each expert is a
+SiLU-gated MLP, and a token's output is its experts' outputs weighted by the router's probabilities.
+
+The experts are held stacked, [experts, 2 * intermediate, hidden] and [experts, hidden, intermediate] in the run
+dtype, and each expert's slice is also a parameter named as checkpoints name it (experts.E.gate_up_proj.weight,
+experts.E.down_proj.weight, after the loader's gate/up fusion), so the loader fills them as it fills any fused
+projection. Under tensor parallelism each rank holds its slice of every expert's intermediate dimension (vLLM's
+default); the partial outputs are summed with one all-reduce. The tokens are grouped by expert and only the chosen
+experts run, in PyTorch."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qwenserve.config.errors import ConfigError
+from qwenserve.distributed.tensor_parallel import TensorParallel
+
+
+class TopKRouter(nn.Module):
+    """Router logits -> softmax over all experts (in float32) -> the top k, renormalised to sum to one where
+    `renormalize` (config.json's norm_topk_prob)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+        self.top_k, self.renormalize = top_k, renormalize
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, hidden] -> (weights [T, k] in x's dtype, expert ids [T, k])."""
+        probs = torch.softmax(F.linear(x, self.weight), dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), ids
+
+
+class _ExpertProjection(nn.Module):
+    """One expert's gate_up_proj or down_proj: a view of the stacked weights that loads this rank's slice."""
+
+    def __init__(self, weight: torch.Tensor, tp: TensorParallel, fused_gate_up: bool):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)  # shares the stacked tensor's storage
+        self.weight.weight_loader = self.weight_loader
+        self.tp, self.fused_gate_up = tp, fused_gate_up
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if self.fused_gate_up:  # rows [shard * I, (shard + 1) * I) take this rank's rows of gate or up
+            size = param.shape[0] // 2
+            target, loaded = param.data.narrow(0, shard_id * size, size), loaded.narrow(0, self.tp.rank * size, size)
+        else:  # down_proj: this rank's columns
+            size = param.shape[1]
+            target, loaded = param.data, loaded.narrow(1, self.tp.rank * size, size)
+        if target.shape != loaded.shape:
+            raise ValueError(f"expert weight of shape {tuple(loaded.shape)} does not fit {tuple(target.shape)}")
+        target.copy_(loaded)
+
+
+class _Expert(nn.Module):
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, tp: TensorParallel):
+        super().__init__()
+        self.gate_up_proj = _ExpertProjection(w13, tp, fused_gate_up=True)
+        self.down_proj = _ExpertProjection(w2, tp, fused_gate_up=False)
+
+
+class FusedExperts(nn.Module):
+    """The experts of one layer; children "0", "1", ... are the experts as the checkpoint names them."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TensorParallel):
+        super().__init__()
+        if intermediate_size % tp.size:
+            raise ConfigError(f"config field moe_intermediate_size ({intermediate_size}) is not divisible by "
+                              f"tensor_parallel_size {tp.size}")
+        inter = intermediate_size // tp.size
+        self.register_buffer("w13", torch.empty(num_experts, 2 * inter, hidden_size), persistent=False)
+        self.register_buffer("w2", torch.empty(num_experts, hidden_size, inter), persistent=False)
+        for e in range(num_experts):
+            self.add_module(str(e), _Expert(self.w13[e], self.w2[e], tp))
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden], the router's weights and expert ids [T, k] -> the weighted sum of the chosen experts'
+        outputs [T, hidden], summed over the tensor-parallel ranks."""
+        out = torch.zeros_like(x)
+        flat = ids.flatten()
+        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+        counts = torch.bincount(flat, minlength=self.w13.shape[0]).tolist()
+        start = 0
+        for expert, count in enumerate(counts):
+            if not count:
+                continue
+            pairs = order[start:start + count]
+            start += count
+            tokens = pairs // ids.shape[1]
+            gate, up = F.linear(x[tokens], self.w13[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.w2[expert])
+            out.index_add_(0, tokens, y * weights.flatten()[pairs, None])
+        return self.tp.all_reduce(out)

@@ -1,0 +1,130 @@
+"""Qwen2MoeForCausalLM (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): Qwen2's attention, and on the sparse layers a
+mixture-of-experts MLP (model/layers/moe.py) beside a shared expert whose output a sigmoid gate scales. A layer is
+sparse where config.json's decoder_sparse_step divides its number plus one and mlp_only_layers does not list it;
+the others keep a dense MLP of intermediate_size.
+
+The family's own config fields (num_experts, num_experts_per_tok, moe_intermediate_size,
+shared_expert_intermediate_size, norm_topk_prob, decoder_sparse_step, mlp_only_layers) are read and checked here
+from config.json (ModelConfig keeps them in `extra`). HF safetensors only so far: GGUF files of the family
+(qwen2moe) are not registered."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from qwenserve.config.errors import ConfigError
+from qwenserve.config.model_config import ModelConfig
+from qwenserve.model.layers.moe import FusedExperts, TopKRouter
+from qwenserve.model.models.qwen2 import Qwen2Attention, Qwen2DecoderLayer, Qwen2ForCausalLM, Qwen2MLP
+from qwenserve.model.registry import MODEL_REGISTRY
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    norm_topk_prob: bool
+    decoder_sparse_step: int
+    mlp_only_layers: tuple[int, ...]
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+
+    @classmethod
+    def from_config(cls, config: ModelConfig, norm_topk_prob_default: bool, shared_expert: bool) -> "MoEConfig":
+        """From config.json's fields (ModelConfig.extra), each checked, with transformers' defaults. The expert
+        count is num_experts as published, or num_local_experts as transformers 5 writes Qwen3-MoE's."""
+        extra = dict(config.extra)
+        if "num_experts" not in extra and "num_local_experts" in extra:
+            extra["num_experts"] = extra["num_local_experts"]
+        missing = [k for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+                   + (("shared_expert_intermediate_size",) if shared_expert else ()) if k not in extra]
+        if missing:
+            raise ConfigError(f"config.json of a mixture-of-experts model lacks field(s) {', '.join(missing)}")
+        out = cls(num_experts=extra["num_experts"], top_k=extra["num_experts_per_tok"],
+                  intermediate_size=extra["moe_intermediate_size"],
+                  norm_topk_prob=extra.get("norm_topk_prob", norm_topk_prob_default),
+                  decoder_sparse_step=extra.get("decoder_sparse_step", 1),
+                  mlp_only_layers=tuple(extra.get("mlp_only_layers") or ()),
+                  shared_expert_intermediate_size=extra.get("shared_expert_intermediate_size", 0)
+                  if shared_expert else 0)
+        for name in ("num_experts", "top_k", "intermediate_size", "decoder_sparse_step"):
+            value = getattr(out, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                field = {"top_k": "num_experts_per_tok", "intermediate_size": "moe_intermediate_size"}.get(name, name)
+                raise ConfigError(f"config field {field} must be a positive integer, got {value!r}")
+        if out.top_k > out.num_experts:
+            raise ConfigError(f"config field num_experts_per_tok ({out.top_k}) is more than num_experts "
+                              f"({out.num_experts})")
+        if not isinstance(out.norm_topk_prob, bool):
+            raise ConfigError(f"config field norm_topk_prob must be true or false, got {out.norm_topk_prob!r}")
+        bad = [i for i in out.mlp_only_layers if not isinstance(i, int) or not 0 <= i < config.num_hidden_layers]
+        if bad:
+            raise ConfigError(f"config field mlp_only_layers holds {bad}, not layer numbers (0 to "
+                              f"{config.num_hidden_layers - 1})")
+        if shared_expert and (not isinstance(out.shared_expert_intermediate_size, int)
+                              or out.shared_expert_intermediate_size < 0):
+            raise ConfigError("config field shared_expert_intermediate_size must be a non-negative integer, got "
+                              f"{out.shared_expert_intermediate_size!r}")
+        return out
+
+    def is_sparse(self, layer_number: int) -> bool:
+        """transformers' rule: a layer has experts unless mlp_only_layers lists it, every decoder_sparse_step."""
+        return layer_number not in self.mlp_only_layers and (layer_number + 1) % self.decoder_sparse_step == 0
+
+
+class SparseMoeBlock(nn.Module):
+    """The router (`gate`), the experts and, for Qwen2-MoE, the shared expert and its gate."""
+
+    def __init__(self, config: ModelConfig, moe: MoEConfig, tp, linear_method):
+        super().__init__()
+        self.gate = TopKRouter(config.hidden_size, moe.num_experts, moe.top_k, moe.norm_topk_prob)
+        self.experts = FusedExperts(moe.num_experts, config.hidden_size, moe.intermediate_size, tp)
+        self.shared_expert = self.shared_expert_gate = None
+        if moe.shared_expert_intermediate_size:
+            self.shared_expert = Qwen2MLP(config, tp, linear_method, moe.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+            self.shared_expert_gate.weight.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
+        out = self.experts(x, *self.gate(x))
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, lora)
+        return out
+
+
+class Qwen2MoeAttention(Qwen2Attention):
+    @staticmethod
+    def biases(config: ModelConfig) -> tuple[bool, bool]:
+        """q/k/v biases as config.json's qkv_bias says (transformers 5 writes it; true by default), no o_proj bias."""
+        return bool(config.extra.get("qkv_bias", True)), False
+
+
+class Qwen2MoeDecoderLayer(Qwen2DecoderLayer):
+    attention_class = Qwen2MoeAttention
+    norm_topk_prob_default = False  # transformers' Qwen2MoeConfig
+    has_shared_expert = True
+
+    def make_mlp(self, config, layer_number, tp, linear_method) -> nn.Module:
+        moe = MoEConfig.from_config(config, self.norm_topk_prob_default, self.has_shared_expert)
+        if not moe.is_sparse(layer_number):
+            return Qwen2MLP(config, tp, linear_method)
+        # the one-call decode runs no experts: naming them keeps this layer (and its stage) on the modules
+        self.decode_parts = self.decode_parts[:self.decode_parts.index("mlp.gate_up_proj")] + ("mlp.gate",
+                                                                                              "mlp.experts")
+        if moe.shared_expert_intermediate_size:
+            self.decode_parts += ("mlp.shared_expert", "mlp.shared_expert_gate")
+        return SparseMoeBlock(config, moe, tp, linear_method)
+
+
+@MODEL_REGISTRY.register("Qwen2MoeForCausalLM")
+class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
+    layer_class = Qwen2MoeDecoderLayer
+
+    def checkpoint_target(self, name: str) -> str | None:
+        # transformers writes a shared expert of width 0 (and its gate) where shared_expert_intermediate_size is 0:
+        # it adds nothing, and this model has none to load it into
+        if ".mlp.shared_expert" in name and not self.config.extra.get("shared_expert_intermediate_size"):
+            return None
+        return super().checkpoint_target(name)

@@ -1,0 +1,171 @@
+"""Mixture-of-experts models against HF transformers in float32: tiny random Qwen2-MoE and Qwen3-MoE checkpoints
+written with transformers' own Qwen2MoeConfig and Qwen3MoeConfig (shared expert on and off, norm_topk_prob both
+ways, dense layers between sparse ones by mlp_only_layers and decoder_sparse_step); greedy tokens batched and one
+by one, logits within float32 rounding; the experts' grouping against a plain per-token reference; tensor
+parallelism at 2 against one process; config fields checked with errors that name them."""
+import dataclasses
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from qwenserve import LLM, SamplingParams
+from qwenserve.config.errors import ConfigError
+from qwenserve.config.model_config import ModelConfig
+from qwenserve.model.layers.moe import FusedExperts, TopKRouter
+from qwenserve.model.models.qwen2_moe import MoEConfig
+
+from helpers import PROMPTS, assert_hf_greedy, greedy_tokens, save_hf_dir, tiny_vocab
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+def tiny_moe(kind: str, seed: int = 0, **overrides):
+    """A random Qwen2MoeForCausalLM or Qwen3MoeForCausalLM (float32) of 3 layers and 6 experts, 2 per token."""
+    import transformers
+    tokens = tiny_vocab(320)[0]
+    kw = dict(vocab_size=320, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=2, num_experts=6, num_experts_per_tok=2,
+              max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
+              rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+              eos_token_id=tokens.index("<|im_end|>"), bos_token_id=tokens.index("<|endoftext|>"))
+    if kind == "qwen2_moe":
+        kw |= dict(shared_expert_intermediate_size=48)
+        config_class, model_class = transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM
+    else:
+        kw |= dict(head_dim=32)
+        config_class, model_class = transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    model = model_class(config_class(**kw)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+            elif name.endswith("mlp.gate.weight"):  # spread router logits: the top-k is not a near tie
+                p.copy_(0.5 * torch.randn_like(p))
+            else:
+                p.copy_(0.08 * torch.randn_like(p))
+    return model
+
+
+CASES = {
+    # shared expert, unnormalised top-k (Qwen2-MoE's default), every layer sparse
+    "qwen2_moe": ("qwen2_moe", {}),
+    # no shared expert, top-k renormalised, the middle layer dense
+    "qwen2_moe-noshared-norm-dense1": ("qwen2_moe", dict(shared_expert_intermediate_size=0, norm_topk_prob=True,
+                                                         mlp_only_layers=[1])),
+    # Qwen3-MoE's defaults (renormalised), every other layer sparse: layers 1 (of 0-2) only
+    "qwen3_moe-step2": ("qwen3_moe", dict(decoder_sparse_step=2)),
+    "qwen3_moe-unnormalised": ("qwen3_moe", dict(norm_topk_prob=False)),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def moe(request, tmp_path_factory):
+    kind, overrides = CASES[request.param]
+    hf = tiny_moe(kind, seed=len(request.param), **overrides)
+    return hf, save_hf_dir(hf, str(tmp_path_factory.mktemp(request.param)))
+
+
+def test_greedy_equals_hf_batched_and_alone(moe):
+    hf, path = moe
+    llm = LLM(path, dtype="float32", kv_cache_memory="32MiB", record_logits=True)
+    batched = greedy_tokens(llm, params=GREEDY)
+    assert_hf_greedy(hf, PROMPTS, batched)
+    assert [greedy_tokens(llm, [p], GREEDY)[0] for p in PROMPTS] == batched
+    out = llm.generate([{"prompt_token_ids": PROMPTS[1]}], SamplingParams(temperature=0, max_tokens=1),
+                       use_tqdm=False)[0].outputs[0]
+    with torch.no_grad():
+        expected = hf(torch.tensor([PROMPTS[1]])).logits[0, -1]
+    torch.testing.assert_close(out.logits[0], expected, atol=1e-4, rtol=0)
+    sparse = [type(layer.mlp).__name__ for layer in llm.engine.executor.worker.model.model.own_layers]
+    hf_sparse = ["Sparse" in type(layer.mlp).__name__ for layer in hf.model.layers]
+    assert [name == "SparseMoeBlock" for name in sparse] == hf_sparse
+
+
+def test_experts_group_tokens_as_a_per_token_loop():
+    """Uneven loads, an expert with no tokens, one token, every token on one expert, ties in the router."""
+    from qwenserve.distributed.tensor_parallel import TensorParallel
+    torch.manual_seed(0)
+    experts = FusedExperts(5, 16, 8, TensorParallel())
+    experts.w13.normal_(0, 0.3)
+    experts.w2.normal_(0, 0.3)
+    x = torch.randn(7, 16)
+    loads = {"uneven": torch.tensor([[0, 1], [0, 2], [0, 1], [3, 0], [0, 1], [1, 0], [2, 0]]),
+             "one expert": torch.tensor([[4, 4]] * 7), "one token": torch.tensor([[2, 3]])}
+    for name, ids in loads.items():
+        rows = x[:len(ids)]
+        weights = torch.rand(ids.shape)
+        expected = torch.zeros_like(rows)
+        for t in range(len(ids)):
+            for slot in range(ids.shape[1]):
+                gate, up = (experts.w13[ids[t, slot]] @ rows[t]).chunk(2)
+                expected[t] += weights[t, slot] * (experts.w2[ids[t, slot]] @ (torch.nn.functional.silu(gate) * up))
+        torch.testing.assert_close(experts(rows, weights, ids), expected, atol=1e-5, rtol=1e-5, msg=name)
+    router = TopKRouter(16, 5, 2, renormalize=True)
+    router.weight.zero_()  # every expert ties: the top-k still picks k distinct experts, weights 1/k each
+    weights, ids = router(x)
+    assert (ids[:, 0] != ids[:, 1]).all() and torch.allclose(weights, torch.full_like(weights, 0.5))
+
+
+def test_config_fields_are_checked(moe):
+    hf, _ = moe
+    config = ModelConfig.from_hf_dict(hf.config.to_dict())
+    shared = config.architectures[0] == "Qwen2MoeForCausalLM"
+    for extra, message in [({"num_experts_per_tok": 9}, "num_experts_per_tok \\(9\\) is more than num_experts"),
+                           ({"moe_intermediate_size": 0}, "moe_intermediate_size must be a positive integer"),
+                           ({"mlp_only_layers": [3]}, "mlp_only_layers holds \\[3\\]"),
+                           ({"norm_topk_prob": "yes"}, "norm_topk_prob must be true or false"),
+                           ({"decoder_sparse_step": 0}, "decoder_sparse_step must be a positive integer")]:
+        bad = dataclasses.replace(config, extra={**config.extra, **extra})
+        with pytest.raises(ConfigError, match=message):
+            MoEConfig.from_config(bad, False, shared)
+    no_experts = {k: v for k, v in config.extra.items() if k not in ("num_experts", "num_local_experts")}
+    with pytest.raises(ConfigError, match="lacks field\\(s\\) num_experts"):
+        MoEConfig.from_config(dataclasses.replace(config, extra=no_experts), False, shared)
+
+
+def _rank_logits(rank, world, port, path, out):
+    import torch.distributed as dist
+
+    from qwenserve.config.engine_config import LoadConfig
+    from qwenserve.distributed.tensor_parallel import TensorParallel
+    from qwenserve.model.loader.model_loader import load_model
+    from qwenserve.model.loader.resolve import resolve_model
+    from qwenserve.worker.model_runner import full_logits
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        resolved = resolve_model(LoadConfig(model=path, dtype="float32", max_model_len=256))
+        model = load_model(resolved, tp=TensorParallel(rank, world, dist.group.WORLD))
+        out.put((rank, full_logits(model, PROMPTS[3]).numpy()))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    out.close()
+    out.join_thread()
+    os._exit(0)
+
+
+@pytest.mark.multiproc
+def test_tensor_parallel_splits_every_expert(moe):
+    from qwenserve.distributed.groups import free_port
+    from qwenserve.model.loader.model_loader import LoadedModel
+    from qwenserve.worker.model_runner import full_logits
+    _, path = moe
+    expected = full_logits(LoadedModel(path, dtype="float32").model, PROMPTS[3])
+    ctx = mp.get_context("spawn")
+    out, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_rank_logits, args=(r, 2, port, path, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=120) for _ in range(2))
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    for rank in range(2):
+        torch.testing.assert_close(torch.from_numpy(results[rank]), expected, atol=1e-5, rtol=1e-5)
