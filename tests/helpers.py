@@ -75,20 +75,26 @@ def hf_config(**overrides):
     return cfg
 
 
+def randomize(model, norm_spread: float = 0.1, std_by_suffix: dict[str, float] | None = None):
+    """Random weights a test can tell apart: norms around 1 (spread norm_spread), biases 0.1, the rest 0.08, or
+    std_by_suffix[suffix] for a parameter whose name ends with it. In place, from torch's current seed."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            special = next((std for suffix, std in (std_by_suffix or {}).items() if name.endswith(suffix)), None)
+            if special is not None:
+                p.copy_(special * torch.randn_like(p))
+            elif name.endswith("norm.weight"):
+                p.copy_(1 + norm_spread * torch.randn_like(p))
+            else:
+                p.copy_((0.1 if name.endswith(".bias") else 0.08) * torch.randn_like(p))
+    return model
+
+
 def tiny_hf_model(seed: int = 0, **overrides):
     """A random Qwen2ForCausalLM (float32) with non-trivial norms and biases, so loading them is tested too."""
     from transformers import Qwen2ForCausalLM
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(hf_config(**overrides)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-            elif name.endswith(".bias"):
-                p.copy_(0.1 * torch.randn_like(p))
-            else:
-                p.copy_(0.08 * torch.randn_like(p))
-    return model
+    return randomize(Qwen2ForCausalLM(hf_config(**overrides)).eval())
 
 
 def tiny_qwen3(seed: int, **overrides):
@@ -102,16 +108,7 @@ def tiny_qwen3(seed: int, **overrides):
               eos_token_id=tokens.index("<|im_end|>"), bos_token_id=tokens.index("<|endoftext|>"))
     kw.update(overrides)
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(Qwen3Config(**kw)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.3 * torch.randn_like(p))
-            elif name.endswith(".bias"):
-                p.copy_(0.1 * torch.randn_like(p))
-            else:
-                p.copy_(0.08 * torch.randn_like(p))
-    return model
+    return randomize(Qwen3ForCausalLM(Qwen3Config(**kw)).eval(), norm_spread=0.3)
 
 
 def save_hf_dir(model, path: str, max_shard_size: str | None = None) -> str:
@@ -284,6 +281,51 @@ def generate_until_killed(llm, pid: int, after_steps: int = 3, timeout: float = 
     assert not thread.is_alive(), "generate hung after a worker died"
     assert "error" in result, "generate finished although a worker was killed"
     return result["error"], result["at"] - killed_at
+
+
+def _rank_logits(rank: int, world: int, port: int, path: str, quantization: str, ids: list[int], out):
+    """One rank of tensor_parallel_logits, in its own spawned process."""
+    import torch.distributed as dist
+
+    from qwenserve.config.engine_config import LoadConfig
+    from qwenserve.model.loader.model_loader import load_model
+    from qwenserve.distributed.tensor_parallel import TensorParallel
+    from qwenserve.model.loader.resolve import resolve_model
+    from qwenserve.worker.model_runner import full_logits
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        resolved = resolve_model(LoadConfig(model=path, dtype="float32", max_model_len=256, quantization=quantization))
+        model = load_model(resolved, tp=TensorParallel(rank, world, dist.group.WORLD))
+        logits = full_logits(model, ids)
+        out.put((rank, logits.numpy()))  # by value: a shared tensor dies with this process
+        # every rank done before any tears gloo down: a rank that left first has aborted a slower one at exit
+        # ("terminate called without an active exception", seen once on a loaded machine)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    # the logits are sent; leave without the interpreter's teardown, in which gloo's threads have still aborted a
+    # rank now and then after the barrier (SIGABRT, once in a full suite run on a loaded machine)
+    out.close()
+    out.join_thread()
+    os._exit(0)
+
+
+def tensor_parallel_logits(path: str, tp: int, ids: list[int], quantization: str = "none") -> dict[int, np.ndarray]:
+    """rank -> the full logits of `ids` from the model at `path` split over `tp` spawned ranks (gloo, float32)."""
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_logits, args=(r, tp, port, path, quantization, ids, out)) for r in range(tp)]
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=120) for _ in range(tp))
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    return results
 
 
 def wait_for(condition, timeout: float = 10.0, what: str = "the condition", interval: float = 0.02) -> None:

@@ -4,11 +4,9 @@ ways, dense layers between sparse ones by mlp_only_layers and decoder_sparse_ste
 by one, logits within float32 rounding; the experts' grouping against a plain per-token reference; tensor
 parallelism at 2 against one process; config fields checked with errors that name them."""
 import dataclasses
-import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from qwenserve import LLM, SamplingParams
 from qwenserve.config.errors import ConfigError
@@ -16,7 +14,8 @@ from qwenserve.config.model_config import ModelConfig
 from qwenserve.model.layers.moe import FusedExperts, TopKRouter
 from qwenserve.model.models.qwen2_moe import MoEConfig
 
-from helpers import PROMPTS, assert_hf_greedy, greedy_tokens, save_hf_dir, tiny_vocab
+from helpers import (PROMPTS, assert_hf_greedy, greedy_tokens, randomize, save_hf_dir, tensor_parallel_logits,
+                     tiny_vocab)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
@@ -38,18 +37,8 @@ def tiny_moe(kind: str, seed: int = 0, **overrides):
         config_class, model_class = transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM
     kw.update(overrides)
     torch.manual_seed(seed)
-    model = model_class(config_class(**kw)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            elif name.endswith(".bias"):
-                p.copy_(0.1 * torch.randn_like(p))
-            elif name.endswith("mlp.gate.weight"):  # spread router logits: the top-k is not a near tie
-                p.copy_(0.5 * torch.randn_like(p))
-            else:
-                p.copy_(0.08 * torch.randn_like(p))
-    return model
+    # spread router logits: the top-k is not a near tie
+    return randomize(model_class(config_class(**kw)).eval(), norm_spread=0.2, std_by_suffix={"mlp.gate.weight": 0.5})
 
 
 CASES = {
@@ -129,43 +118,12 @@ def test_config_fields_are_checked(moe):
         MoEConfig.from_config(dataclasses.replace(config, extra=no_experts), False, shared)
 
 
-def _rank_logits(rank, world, port, path, out):
-    import torch.distributed as dist
-
-    from qwenserve.config.engine_config import LoadConfig
-    from qwenserve.distributed.tensor_parallel import TensorParallel
-    from qwenserve.model.loader.model_loader import load_model
-    from qwenserve.model.loader.resolve import resolve_model
-    from qwenserve.worker.model_runner import full_logits
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        resolved = resolve_model(LoadConfig(model=path, dtype="float32", max_model_len=256))
-        model = load_model(resolved, tp=TensorParallel(rank, world, dist.group.WORLD))
-        out.put((rank, full_logits(model, PROMPTS[3]).numpy()))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    out.close()
-    out.join_thread()
-    os._exit(0)
-
-
 @pytest.mark.multiproc
 def test_tensor_parallel_splits_every_expert(moe):
-    from qwenserve.distributed.groups import free_port
     from qwenserve.model.loader.model_loader import LoadedModel
     from qwenserve.worker.model_runner import full_logits
     _, path = moe
     expected = full_logits(LoadedModel(path, dtype="float32").model, PROMPTS[3])
-    ctx = mp.get_context("spawn")
-    out, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_rank_logits, args=(r, 2, port, path, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict(out.get(timeout=120) for _ in range(2))
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    results = tensor_parallel_logits(path, 2, PROMPTS[3])
     for rank in range(2):
         torch.testing.assert_close(torch.from_numpy(results[rank]), expected, atol=1e-5, rtol=1e-5)

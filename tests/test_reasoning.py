@@ -1,7 +1,5 @@
 """The reasoning splitter (--reasoning-parser qwen3): reasoning and content of whole answers, and the same split
 for the same answer streamed in any cuts (tags cut across deltas included)."""
-import json
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
