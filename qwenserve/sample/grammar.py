@@ -20,6 +20,7 @@ from collections import OrderedDict
 import numpy as np
 
 from qwenserve.config.errors import RequestError
+from qwenserve.sample.free_prefix import opening_masks
 from qwenserve.sample.structured_outputs import FIELD, StructuredOutputsParams
 
 # JSON without free whitespace between tokens: a small model sampled at temperature 1 otherwise can spend its
@@ -95,6 +96,7 @@ class GrammarCompiler:
         self._cache: OrderedDict[tuple[str, str], concurrent.futures.Future] = OrderedDict()
         self._lock = threading.Lock()
         self._executor = None  # llguidance's thread pool for filling many rows at once, made on first use
+        self._opening: dict[str, concurrent.futures.Future] = {}  # a free prefix's start -> its opening masks
 
     @property
     def bitmask_words(self) -> int:
@@ -137,6 +139,29 @@ class GrammarCompiler:
             self._ll_tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size,
                                                               eos_token=self._eos_token_ids)
         return self._ll_tokenizer
+
+    def opening_masks(self, start: str) -> concurrent.futures.Future:
+        """A future of free_prefix.opening_masks for `start` over this vocabulary: a scan of every token's text,
+        a fraction of a second for Qwen's 152k, on the compiling thread and once per engine for each start."""
+        with self._lock:
+            future = self._opening.get(start)
+            if future is None:
+                future = self._opening[start] = self._pool.submit(self._opening_masks, start)
+        return future
+
+    def _opening_masks(self, start: str) -> dict[str, np.ndarray]:
+        tokenizer = self._tokenizer()
+        texts = ((i, tokenizer.decode_bytes([i]).decode("utf-8", "replace")) for i in range(len(self._hf_tokenizer)))
+        return opening_masks(texts, start, self.bitmask_words)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """A token's bytes as the grammar sees them (a special token's are its text); only once a grammar has
+        been compiled."""
+        return self._ll_tokenizer.decode_bytes([token_id])
+
+    def tokenize_bytes(self, data: bytes) -> list[int]:
+        """Tokens of the bytes, for the grammar to take text the model wrote inside another token."""
+        return self._ll_tokenizer.tokenize_bytes(data)
 
     @staticmethod
     def new_matcher(compiled):

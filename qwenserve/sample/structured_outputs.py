@@ -1,7 +1,11 @@
 """What a request's output must match: a JSON schema, any JSON object, a regular expression, one of a list of
 strings, or a grammar (Lark or GBNF). Plain data, checked for shape on construction (a bad value raises
 RequestError naming the field); whether the schema, regex or grammar itself is valid is checked when the
-request is admitted (sample/grammar.py), since that needs the grammar engine."""
+request is admitted (sample/grammar.py), since that needs the grammar engine.
+
+A constraint may start after a free prefix of the output (FreePrefix: a thinking model's reasoning, which the
+server's reasoning parser marks); the engine knows it only as "free text until this marker"
+(sample/free_prefix.py)."""
 from __future__ import annotations
 
 import json
@@ -14,12 +18,30 @@ KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 @dataclass(frozen=True)
+class FreePrefix:
+    """Free text the constraint waits out: it applies from the token after `end`. With `start`, the output may
+    open the free text with it (after blanks, as the reasoning parsers decide), and one that does not is
+    constrained from its first token; without, the output begins inside it (the prompt opened it)."""
+    end: str
+    start: str | None = None
+
+    def __post_init__(self):
+        for name in ("end", "start"):
+            value = getattr(self, name)
+            if not (isinstance(value, str) and value) and not (name == "start" and value is None):
+                raise RequestError(f"{FIELD}'s free prefix needs {name} as a non-empty string, got {value!r}",
+                                   param=FIELD)
+
+
+@dataclass(frozen=True)
 class StructuredOutputsParams:
     json: str | dict | None = None  # a JSON schema (as a dict or its text)
     regex: str | None = None
     choice: list[str] | tuple[str, ...] | None = None
     grammar: str | None = None  # Lark, or GBNF as llama.cpp writes it
     json_object: bool | None = None  # any JSON object
+    # set by the server, never by a request body: the constraint starts after this prefix (not part of the key)
+    free_prefix: FreePrefix | None = None
 
     def __post_init__(self):
         chosen = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -40,6 +62,9 @@ class StructuredOutputsParams:
             object.__setattr__(self, "choice", tuple(self.choice))  # hashable, so the key below is
         if self.json_object not in (None, True, False):
             raise RequestError(f"{FIELD}.json_object must be true or false", param=FIELD)
+        if self.free_prefix is not None and not isinstance(self.free_prefix, FreePrefix):
+            raise RequestError(f"{FIELD}'s free prefix must be a FreePrefix, got {type(self.free_prefix).__name__}",
+                               param=FIELD)
         object.__setattr__(self, "_key", self._make_key())  # also checks that a schema's text is JSON
 
     @property

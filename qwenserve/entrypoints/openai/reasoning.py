@@ -10,12 +10,16 @@ split: a tag cut across two deltas is held back until it is whole. Where the ans
 - otherwise it is all content (Qwen3 with thinking off, whose template closes an empty think block in the
   prompt), and a `</think>` in it is text like any other.
 
-The reasoning ends at `</think>`; an answer cut short inside it (max_tokens) has reasoning and no content."""
+The reasoning ends at `</think>`; an answer cut short inside it (max_tokens) has reasoning and no content.
+
+A constrained answer (structured output, a forced tool call) is constrained after its reasoning, as vLLM does:
+the reasoning is the constraint's free prefix (constraint_prefix), which the engine decides by the same rules."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from qwenserve.config.errors import ConfigError
+from qwenserve.sample.structured_outputs import FreePrefix
 
 # parser name -> (start tag, end tag); vLLM's names
 REASONING_PARSERS = {"qwen3": ("<think>", "</think>"), "deepseek_r1": ("<think>", "</think>")}
@@ -32,6 +36,19 @@ def thinking_open(prompt: str, start: str, end: str) -> bool:
     """Whether the prompt's last start tag has no end tag after it: the model continues inside its reasoning."""
     opened = prompt.rfind(start)
     return opened >= 0 and prompt.find(end, opened + len(start)) < 0
+
+
+def constraint_prefix(parser: str, prompt: str) -> FreePrefix | None:
+    """The free prefix a constrained answer's constraint waits out: its reasoning, already open where the prompt
+    opened it, else opened by the answer if it starts with the start tag. None (constrained from the first
+    token, as without a parser) where the prompt ends by closing a think block: thinking turned off (Qwen3's
+    template with enable_thinking false), so the answer is all content."""
+    start, end = REASONING_PARSERS[parser]
+    if thinking_open(prompt, start, end):
+        return FreePrefix(end=end)
+    if prompt.rstrip().endswith(end):
+        return None
+    return FreePrefix(end=end, start=start)
 
 
 def _held_tag_prefix(text: str, tag: str) -> int:

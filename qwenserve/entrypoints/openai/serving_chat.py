@@ -1,8 +1,10 @@
 """/v1/chat/completions: a conversation rendered with the chat template, answered whole or streamed; with a
-reasoning parser, the answer's reasoning comes out as `reasoning_content` (reasoning.py); with tools, the tool calls
-in the rest as OpenAI `tool_calls` (tool_calls.py)."""
+reasoning parser, the answer's reasoning comes out as `reasoning_content` (reasoning.py) and a constraint
+(structured output, a forced tool call) applies only after it; with tools, the tool calls in the rest as OpenAI
+`tool_calls` (tool_calls.py)."""
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from fastapi import Request
@@ -10,7 +12,7 @@ from fastapi import Request
 from qwenserve.engine.outputs import RequestOutput
 from qwenserve.entrypoints.openai.chat_prompt import ChatPromptRenderer, name_the_part
 from qwenserve.entrypoints.openai.protocol import ChatCompletionRequest
-from qwenserve.entrypoints.openai.reasoning import ReasoningSplitter
+from qwenserve.entrypoints.openai.reasoning import ReasoningSplitter, constraint_prefix
 from qwenserve.entrypoints.openai.serving_engine import APIError, OpenAIServing, engine_ids_prefix, request_id, usage
 from qwenserve.entrypoints.openai.tool_calls import ToolCallParser, parse_tool_calls, tag_token_ids
 
@@ -32,6 +34,9 @@ class OpenAIServingChat(OpenAIServing):
         tools = body.tools_in_use
         tool_names = {tool["function"]["name"] for tool in tools or ()}
         chat = await self.renderer.render(body.messages, body.add_generation_prompt, tools, body.chat_template_kwargs)
+        if self.reasoning_parser and params.structured_outputs is not None:  # constrained after the reasoning
+            params.structured_outputs = dataclasses.replace(
+                params.structured_outputs, free_prefix=constraint_prefix(self.reasoning_parser, chat.text))
         rid = f"chatcmpl-{request_id(request)}"
         created = int(time.time())
         try:

@@ -1,0 +1,87 @@
+"""Where a sequence stands with its constraint's free prefix (structured_outputs.FreePrefix): free text that the
+grammar waits out, a thinking model's reasoning, which the engine knows only as "free until this marker".
+
+A gate follows one sequence's tokens, as bytes, through three phases:
+
+- undecided (the prefix has a `start`): the output so far is blank or a cut `start`. Both ways stay open: the
+  grammar takes the tokens it allows, and the tokens that keep `start` possible are allowed too (opening_masks).
+  Decided as the reasoning parsers decide: output whose first non-blank text is `start` opens the free text;
+  any other is the constrained answer, which the grammar has then taken from its first token.
+- free: nothing is masked; the constraint starts right after `end`, which is found in the bytes whatever the
+  tokens it is cut into. Bytes after `end` in the same token are the answer's first (the grammar takes them).
+- constrained: the grammar alone, as for a constraint without a free prefix.
+
+Undecided text is decoded as the detokenizer decodes it (a cut UTF-8 character waits for its end), so a gate
+decides where the server's reasoning splitter does. No llguidance here: the engine's manager drives the matcher."""
+from __future__ import annotations
+
+import codecs
+from collections.abc import Iterable
+
+import numpy as np
+
+from qwenserve.sample.structured_outputs import FreePrefix
+
+UNDECIDED, FREE, CONSTRAINED = "undecided", "free", "constrained"
+
+
+def route(lead: str, start: str) -> str:
+    """The phase output whose text so far, blanks stripped at its start, is `lead` is in: FREE once it opens with
+    start, UNDECIDED while it may still (blank, or a cut start), CONSTRAINED otherwise."""
+    if lead.startswith(start):
+        return FREE
+    return UNDECIDED if start.startswith(lead) else CONSTRAINED
+
+
+def opening_masks(token_texts: Iterable[tuple[int, str]], start: str, words: int) -> dict[str, np.ndarray]:
+    """For each undecided lead ("" and every proper prefix of start), the bitmask row (int32 words, the grammar's
+    layout) of the tokens after which the output has opened or may still open with start. token_texts: each
+    token's text decoded alone; empty ones (tokens with no text) are never allowed."""
+    rows = {start[:i]: np.zeros(words, dtype=np.uint32) for i in range(len(start))}
+    for token_id, text in token_texts:
+        stripped = text.lstrip()
+        if not text or (stripped and stripped[0] not in start):
+            continue  # cannot begin or continue start: the common case, decided without the leads
+        for lead, row in rows.items():
+            if route((lead + text).lstrip(), start) != CONSTRAINED:
+                row[token_id >> 5] |= np.uint32(1 << (token_id & 31))
+    return {lead: row.view(np.int32) for lead, row in rows.items()}
+
+
+class PrefixGate:
+    def __init__(self, prefix: FreePrefix):
+        self.start, self.end = prefix.start, prefix.end.encode()
+        self.phase = FREE if prefix.start is None else UNDECIDED
+        self.lead = ""  # undecided: the output's text so far, blanks stripped at its start
+        self.grammar_alive = True  # undecided: the grammar took every token so far
+        self._raw = b""  # undecided: the output's bytes so far
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._window = b""  # free: the last bytes, where `end` may have begun
+
+    def feed(self, data: bytes) -> tuple[bool, bytes | None]:
+        """One sampled token's bytes -> (whether the output has just opened its free text: the grammar starts
+        over; the bytes of the answer after `end` when the constraint starts with this token, b"" at a token
+        boundary, else None). An undecided output that turns out to be the answer moves to CONSTRAINED with
+        (False, None): the grammar has taken it all along."""
+        opened = False
+        if self.phase == UNDECIDED:
+            self._raw += data
+            self.lead = (self.lead + self._decoder.decode(data)).lstrip()
+            phase = route(self.lead, self.start)
+            if phase != FREE:
+                self.phase = phase
+                return False, None
+            opened, self.phase = True, FREE
+            self.grammar_alive = True  # it starts over on the answer after the free text, which it has all taken
+            start = self.start.encode()
+            data = self._raw[self._raw.index(start) + len(start):]  # only blanks come before it
+            self._raw = b""
+        if self.phase != FREE:
+            return opened, None
+        window = self._window + data
+        at = window.find(self.end)
+        if at < 0:
+            self._window = window[max(0, len(window) - len(self.end) + 1):] if len(self.end) > 1 else b""
+            return opened, None
+        self.phase, self._window = CONSTRAINED, b""
+        return opened, window[at + len(self.end):]
