@@ -1,5 +1,7 @@
 """The reasoning splitter (--reasoning-parser qwen3): reasoning and content of whole answers, and the same split
 for the same answer streamed in any cuts (tags cut across deltas included)."""
+import json
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -91,6 +93,7 @@ def served(tmp_path_factory):
     try:
         with live_server(build_app(engine, ["qwen3"], reasoning_parser="qwen3")) as url, \
                 live_server(build_app(engine, ["qwen3"])) as plain_url:
+            _served_tokenizer[:] = [engine.tokenizer]
             yield url, plain_url, engine
     finally:
         engine.shutdown()
@@ -102,13 +105,26 @@ def client(url):
 
 
 def ask(url, answer=ANSWER, stream=False, **kwargs):
-    """A chat completion whose answer a choice constraint fixes (a random model writes no tags of its own)."""
-    kwargs = {"model": "qwen3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 60,
-              "extra_body": {"structured_outputs": {"choice": [answer]}, **kwargs.pop("extra_body", {})}} | kwargs
+    """A chat completion whose answer the scripted sampler writes, then ends (a random model writes no tags of
+    its own); answer None: the model writes freely (under the request's constraint)."""
+    from scripted import scripted
+    kwargs = {"model": "qwen3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 60} | kwargs
+    tokenizer = _served_tokenizer[0]
+    script = ([] if answer is None else
+              tokenizer.encode(answer, add_special_tokens=False) + kwargs.pop("end_script", [tokenizer.eos_token_id]))
+    with scripted(script):
+        return _ask(url, stream, kwargs)
+
+
+_served_tokenizer = []  # the served model's tokenizer (the fixture sets it)
+
+
+def _ask(url, stream, kwargs):
     if not stream:
         choice = client(url).chat.completions.create(**kwargs).choices[0]
-        return getattr(choice.message, "reasoning_content", None), choice.message.content, choice.finish_reason
-    reasoning, content, finish = None, None, None
+        message = choice.message
+        return getattr(message, "reasoning_content", None), message.content, choice.finish_reason, message.tool_calls
+    reasoning, content, finish, calls = None, None, None, {}
     for chunk in client(url).chat.completions.create(stream=True, **kwargs):
         delta = chunk.choices[0].delta
         piece = getattr(delta, "reasoning_content", None)
@@ -116,28 +132,32 @@ def ask(url, answer=ANSWER, stream=False, **kwargs):
             reasoning = (reasoning or "") + piece
         if delta.content:
             content = (content or "") + delta.content
+        for call in delta.tool_calls or ():
+            calls.setdefault(call.index, {"name": None, "arguments": ""})
+            calls[call.index]["name"] = call.function.name or calls[call.index]["name"]
+            calls[call.index]["arguments"] += call.function.arguments or ""
         finish = chunk.choices[0].finish_reason or finish
-    return reasoning, content, finish
+    return reasoning, content, finish, [calls[i] for i in sorted(calls)] or None
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_reasoning_content_through_the_openai_client(served, stream):
     url, plain_url, engine = served
-    assert ask(url, stream=stream) == ("\nfirst, plan", "\n\nthe answer", "stop")
+    assert ask(url, stream=stream) == ("\nfirst, plan", "\n\nthe answer", "stop", None)
     # cut short inside the reasoning: reasoning only, no content
-    reasoning, content, finish = ask(url, stream=stream, max_tokens=16)  # "<think>\nfirst" is 12 tokens
+    reasoning, content, finish, _ = ask(url, stream=stream, max_tokens=16)  # "<think>\nfirst" is 12 tokens
     assert finish == "length" and reasoning and "first, plan".startswith(reasoning.strip()) and content is None
     # no reasoning parser: the answer whole, as content
-    assert ask(plain_url, stream=stream) == (None, ANSWER, "stop")
+    assert ask(plain_url, stream=stream) == (None, ANSWER, "stop", None)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_chat_template_kwargs_reach_the_template(served, stream):
     url, _, engine = served
     off = {"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}
-    assert ask(url, "no thinking here", stream=stream, **off) == (None, "no thinking here", "stop")
+    assert ask(url, "no thinking here", stream=stream, **off) == (None, "no thinking here", "stop", None)
     opened = {"extra_body": {"chat_template_kwargs": {"opened": True}}}
-    assert ask(url, "plan</think>answer", stream=stream, **opened) == ("plan", "answer", "stop")
+    assert ask(url, "plan</think>answer", stream=stream, **opened) == ("plan", "answer", "stop", None)
     import httpx
     counts = [httpx.post(f"{url}/tokenize", json={"model": "qwen3", "messages": [{"role": "user", "content": "hi"}],
                                                   "chat_template_kwargs": kwargs}).json()["count"]
@@ -154,5 +174,67 @@ def test_bad_chat_template_kwargs_are_400s(served):
                             ([1, 2], "chat_template_kwargs")):
         r = httpx.post(f"{url}/v1/chat/completions", json=body | {"chat_template_kwargs": kwargs})
         assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+    from helpers import wait_idle_and_clean
+    wait_idle_and_clean(engine)
+
+
+# ---- a constraint after the reasoning (vLLM's behaviour with a reasoning parser) ---------------------------------
+
+SCHEMA = {"type": "object", "required": ["a", "b"], "additionalProperties": False,
+          "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999},
+                         "b": {"type": "string", "maxLength": 6}}}
+JSON_SCHEMA = {"response_format": {"type": "json_schema", "json_schema": {"name": "ab", "schema": SCHEMA}},
+               "temperature": 0.0}
+OPENED = {"chat_template_kwargs": {"opened": True}}
+OFF = {"chat_template_kwargs": {"enable_thinking": False}}
+
+
+def matches_schema(content: str) -> bool:
+    value = json.loads(content)
+    return set(value) == {"a", "b"} and 0 <= value["a"] <= 999 and len(value["b"]) <= 6
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_json_schema_after_the_reasoning(served, stream):
+    """The scripted reasoning (letters the schema forbids) is written as it is; the content after `</think>` is the
+    schema's, whether the prompt opened the think block or the answer opens it."""
+    url, _, engine = served
+    for answer, extra in (("plan it</think>", OPENED), ("<think>plan it</think>", {})):
+        reasoning, content, finish, _ = ask(url, answer, stream=stream, end_script=[], **JSON_SCHEMA,
+                                            extra_body=extra)
+        assert reasoning == "plan it" and finish == "stop" and matches_schema(content), (reasoning, content)
+    # reasoning cut by max_tokens: no constraint ever applied, no content
+    reasoning, content, finish, _ = ask(url, "plan it at length, with care</think>", stream=stream, end_script=[],
+                                        max_tokens=8, **JSON_SCHEMA, extra_body=OPENED)
+    assert (reasoning, content, finish) == ("plan it ", None, "length")
+    from helpers import wait_idle_and_clean
+    wait_idle_and_clean(engine)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_json_schema_from_the_first_token_without_thinking(served, stream):
+    """Thinking off (the prompt closes the think block), or no reasoning parser: the schema holds from the first
+    token, so the script cannot write its reasoning."""
+    url, plain_url, engine = served
+    for at, extra in ((url, OFF), (plain_url, OPENED)):
+        reasoning, content, finish, _ = ask(at, "plan it</think>", stream=stream, end_script=[], **JSON_SCHEMA,
+                                            extra_body=extra)
+        assert reasoning is None and finish == "stop" and matches_schema(content), (reasoning, content)
+    from helpers import wait_idle_and_clean
+    wait_idle_and_clean(engine)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_forced_tool_call_after_the_reasoning(served, stream):
+    url, _, engine = served
+    tool = {"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "required": ["x"], "additionalProperties": False,
+        "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}}}}}
+    reasoning, content, finish, calls = ask(
+        url, "which one</think>", stream=stream, end_script=[], max_tokens=120, temperature=0.0, tools=[tool],
+        tool_choice={"type": "function", "function": {"name": "pick"}}, extra_body=OPENED)
+    assert reasoning == "which one" and finish == "tool_calls" and not content
+    call = calls[0] if stream else {"name": calls[0].function.name, "arguments": calls[0].function.arguments}
+    assert len(calls) == 1 and call["name"] == "pick" and 0 <= json.loads(call["arguments"])["x"] <= 9
     from helpers import wait_idle_and_clean
     wait_idle_and_clean(engine)
