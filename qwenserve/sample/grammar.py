@@ -142,7 +142,7 @@ class GrammarCompiler:
 
     def opening_masks(self, start: str) -> concurrent.futures.Future:
         """A future of free_prefix.opening_masks for `start` over this vocabulary: a scan of every token's text,
-        a fraction of a second for Qwen's 152k, on the compiling thread and once per engine for each start."""
+        on the compiling thread (the steps go on meanwhile), once per engine for each start."""
         with self._lock:
             future = self._opening.get(start)
             if future is None:
