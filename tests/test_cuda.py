@@ -111,3 +111,13 @@ def test_vision_language_prompt_with_several_images(tmp_path):
         assert list(out[0].outputs[0].token_ids) == hf_greedy(hf, tok, text, images, GREEDY.max_tokens), kind
         assert list(out[1].outputs[0].token_ids) == hf_greedy(hf, tok, "text only", [], GREEDY.max_tokens), kind
         assert_clean(vl)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "qwen2_moe"])
+def test_qwen3_and_moe_greedy_equal_hf(tmp_path, family):
+    from helpers import tiny_qwen3
+    from test_moe import tiny_moe
+    hf = tiny_qwen3(seed=4, tie_word_embeddings=True) if family == "qwen3" else tiny_moe(family, seed=4)
+    llm = LLM(save_hf_dir(hf, str(tmp_path / family)), dtype="float32", device="cuda", kv_cache_memory="64MiB")
+    assert_hf_greedy(hf, PROMPTS, greedy_tokens(llm))
+    assert_clean(llm)
