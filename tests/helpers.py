@@ -126,7 +126,13 @@ def save_hf_dir(model, path: str, max_shard_size: str | None = None) -> str:
 _LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
           "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
           "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+          # mixture-of-experts layers (gguf's MODEL_TENSOR FFN_GATE_INP, FFN_*_SHEXP, FFN_GATE_INP_SHEXP)
+          "mlp.gate": "ffn_gate_inp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+          "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
+          "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+# llama.cpp's general.architecture for each transformers model_type
+_GGUF_ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
 
 
 def hf_to_gguf_name(name: str) -> str:
@@ -140,17 +146,33 @@ def hf_to_gguf_name(name: str) -> str:
 
 
 def save_gguf(model, path: str, quant: str = "Q8_0", overrides: dict[str, str] | None = None) -> str:
-    """Write `model` (Qwen2 or Qwen3) as a GGUF of its family: 2-D weights quantized to `quant` (or to
-    overrides[part] for a tensor whose HF name contains `part`, as llama.cpp's Q4_K_M mixes types), 1-D tensors
-    in F32."""
+    """Write `model` (Qwen2, Qwen3, Qwen2-MoE or Qwen3-MoE) as a GGUF of its family: 2-D weights and the experts'
+    3-D tensors quantized to `quant` (or to overrides[part] for a tensor whose HF name contains `part`, as
+    llama.cpp's Q4_K_M mixes types), 1-D tensors and the routers (llama.cpp keeps ffn_gate_inp unquantized) in F32.
+
+    A MoE model is written as convert_hf_to_gguf writes it: {arch}.expert_count, expert_used_count,
+    expert_feed_forward_length (and expert_shared_feed_forward_length with a shared expert), each layer's experts
+    stacked into ffn_{gate,up,down}_exps [experts, rows, row length], the shared expert's gate as a vector. Two
+    things llama.cpp's files cannot say are written where the model needs them: a dense layer between sparse ones
+    keeps the dense names (ffn_gate, ...; llama.cpp's qwen2moe/qwen3moe want experts in every layer), and a
+    norm_topk_prob other than llama.cpp's fixed choice (qwen3moe renormalises, qwen2moe does not) is written as
+    {arch}.expert_weights_norm."""
     import gguf
     cfg = model.config
 
     def qtype(name: str):
         part = next((p for p in (overrides or {}) if p in name), None)
         return gguf.GGMLQuantizationType[overrides[part] if part else quant]
-    w = gguf.GGUFWriter(path, cfg.model_type)
-    if cfg.model_type == "qwen3":  # its head width is not hidden / heads
+
+    def add(gguf_name: str, hf_name: str, data: np.ndarray, quantize: bool = True) -> None:
+        if data.ndim >= 2 and quantize:
+            t = qtype(hf_name)
+            w.add_tensor(gguf_name, gguf.quants.quantize(np.ascontiguousarray(data), t), raw_dtype=t)
+        else:
+            w.add_tensor(gguf_name, np.ascontiguousarray(data, dtype=np.float32))
+    arch = _GGUF_ARCH[cfg.model_type]
+    w = gguf.GGUFWriter(path, arch)
+    if arch in ("qwen3", "qwen3moe"):  # its head width is not hidden / heads
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
     w.add_block_count(cfg.num_hidden_layers)
@@ -161,6 +183,15 @@ def save_gguf(model, path: str, quant: str = "Q8_0", overrides: dict[str, str] |
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    shared_width = getattr(cfg, "shared_expert_intermediate_size", 0) or 0
+    if arch in ("qwen2moe", "qwen3moe"):
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if shared_width:
+            w.add_expert_shared_feed_forward_length(shared_width)
+        if cfg.norm_topk_prob != (arch == "qwen3moe"):
+            w.add_expert_weights_norm(cfg.norm_topk_prob)
     tokens, types, merges = tiny_vocab(cfg.vocab_size)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")
@@ -175,12 +206,19 @@ def save_gguf(model, path: str, quant: str = "Q8_0", overrides: dict[str, str] |
     for name, tensor in model.state_dict().items():
         if cfg.tie_word_embeddings and name == "lm_head.weight":
             continue
+        if ".mlp.shared_expert" in name and not shared_width:
+            continue  # transformers' shared expert of width 0: convert_hf_to_gguf writes none
         data = tensor.float().numpy()
-        if data.ndim == 2:
-            t = qtype(name)
-            w.add_tensor(hf_to_gguf_name(name), gguf.quants.quantize(data, t), raw_dtype=t)
+        if name.endswith("mlp.experts.gate_up_proj"):  # [experts, 2 * width, hidden]: gate rows, then up rows
+            layer, width = name.split(".")[2], data.shape[1] // 2
+            add(f"blk.{layer}.ffn_gate_exps.weight", name, data[:, :width])
+            add(f"blk.{layer}.ffn_up_exps.weight", name, data[:, width:])
+        elif name.endswith("mlp.experts.down_proj"):  # [experts, hidden, width]
+            add(f"blk.{name.split('.')[2]}.ffn_down_exps.weight", name, data)
+        elif name.endswith("mlp.shared_expert_gate.weight"):  # [1, hidden] -> llama.cpp's vector [hidden]
+            add(hf_to_gguf_name(name), name, data.reshape(-1))
         else:
-            w.add_tensor(hf_to_gguf_name(name), np.ascontiguousarray(data, dtype=np.float32))
+            add(hf_to_gguf_name(name), name, data, quantize=not name.endswith("mlp.gate.weight"))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

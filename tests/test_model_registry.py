@@ -166,9 +166,9 @@ def test_unknown_architecture_lists_the_supported_ones(tmp_path):
         LLM(path, dtype="float32")
     message = str(err.value)
     assert "architectures is ['NoSuchModelForCausalLM'], which qwenserve does not run" in message
-    assert ("supported architectures: Qwen2ForCausalLM (GGUF qwen2), Qwen2MoeForCausalLM, "
-            "Qwen2VLForConditionalGeneration, "
-            "Qwen2_5_VLForConditionalGeneration, Qwen3ForCausalLM (GGUF qwen3), Qwen3MoeForCausalLM, " + TOY) in message
+    assert ("supported architectures: Qwen2ForCausalLM (GGUF qwen2), Qwen2MoeForCausalLM (GGUF qwen2moe), "
+            "Qwen2VLForConditionalGeneration, Qwen2_5_VLForConditionalGeneration, Qwen3ForCausalLM (GGUF qwen3), "
+            "Qwen3MoeForCausalLM (GGUF qwen3moe), " + TOY) in message
 
 
 def test_first_registered_of_several_architectures_runs(tmp_path):
@@ -178,7 +178,7 @@ def test_first_registered_of_several_architectures_runs(tmp_path):
 
 def test_unknown_gguf_architecture_lists_the_supported_ones():
     with pytest.raises(ConfigError, match="general.architecture is 'llama', which qwenserve does not run; "
-                                          "supported: qwen2"):
+                                          "supported: qwen2, qwen2moe, qwen3, qwen3moe$"):
         config_from_gguf({"general.architecture": "llama", "llama.block_count": 2})
 
 

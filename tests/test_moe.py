@@ -2,7 +2,9 @@
 written with transformers' own Qwen2MoeConfig and Qwen3MoeConfig (shared expert on and off, norm_topk_prob both
 ways, dense layers between sparse ones by mlp_only_layers and decoder_sparse_step); greedy tokens batched and one
 by one, logits within float32 rounding; the experts' grouping against a plain per-token reference; tensor
-parallelism at 2 against one process; config fields checked with errors that name them."""
+parallelism at 2 against one process; config fields checked with errors that name them. The same checkpoints as
+llama.cpp GGUF files (qwen2moe, qwen3moe; helpers.save_gguf): F32 gives HF's greedy tokens, Q8_0 with the linear
+layers' blocks kept equals the same file dequantized at load."""
 import dataclasses
 
 import pytest
@@ -14,8 +16,8 @@ from qwenserve.config.model_config import ModelConfig
 from qwenserve.model.layers.moe import FusedExperts, TopKRouter
 from qwenserve.model.models.qwen2_moe import MoEConfig
 
-from helpers import (PROMPTS, assert_hf_greedy, greedy_tokens, randomize, save_hf_dir, tensor_parallel_logits,
-                     tiny_vocab)
+from helpers import (PROMPTS, assert_hf_greedy, greedy_tokens, randomize, save_gguf, save_hf_dir,
+                     tensor_parallel_logits, tiny_vocab)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
@@ -30,7 +32,7 @@ def tiny_moe(kind: str, seed: int = 0, **overrides):
               rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
               eos_token_id=tokens.index("<|im_end|>"), bos_token_id=tokens.index("<|endoftext|>"))
     if kind == "qwen2_moe":
-        kw |= dict(shared_expert_intermediate_size=48)
+        kw |= dict(shared_expert_intermediate_size=64)  # rows of whole Q8_0 blocks
         config_class, model_class = transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM
     else:
         kw |= dict(head_dim=32)
@@ -47,8 +49,9 @@ CASES = {
     # no shared expert, top-k renormalised, the middle layer dense
     "qwen2_moe-noshared-norm-dense1": ("qwen2_moe", dict(shared_expert_intermediate_size=0, norm_topk_prob=True,
                                                          mlp_only_layers=[1])),
-    # Qwen3-MoE's defaults (renormalised), every other layer sparse: layers 1 (of 0-2) only
-    "qwen3_moe-step2": ("qwen3_moe", dict(decoder_sparse_step=2)),
+    # renormalised, as the published Qwen3-MoE config.json files say (transformers' Qwen3MoeConfig defaults to
+    # false) and as llama.cpp runs every qwen3moe GGUF; every other layer sparse: layers 1 (of 0-2) only
+    "qwen3_moe-step2": ("qwen3_moe", dict(decoder_sparse_step=2, norm_topk_prob=True)),
     "qwen3_moe-unnormalised": ("qwen3_moe", dict(norm_topk_prob=False)),
 }
 
@@ -127,3 +130,53 @@ def test_tensor_parallel_splits_every_expert(moe):
     results = tensor_parallel_logits(path, 2, PROMPTS[3])
     for rank in range(2):
         torch.testing.assert_close(torch.from_numpy(results[rank]), expected, atol=1e-5, rtol=1e-5)
+
+
+def _sparse_layers(model) -> list[bool]:
+    return [type(layer.mlp).__name__ == "SparseMoeBlock" for layer in model.model.own_layers]
+
+
+def test_gguf_f32_greedy_equals_hf(moe, tmp_path):
+    """llama.cpp's layout: experts stacked per projection, the router unquantized, the shared expert's gate a
+    vector; dense layers from the tensors present, norm_topk_prob from the family (or expert_weights_norm)."""
+    hf, _ = moe
+    path = save_gguf(hf, str(tmp_path / "moe-f32.gguf"), quant="F32")
+    llm = LLM(path, dtype="float32", kv_cache_memory="32MiB")
+    assert_hf_greedy(hf, PROMPTS, greedy_tokens(llm, params=GREEDY))
+    model = llm.engine.executor.worker.model
+    assert _sparse_layers(model) == ["Sparse" in type(layer.mlp).__name__ for layer in hf.model.layers]
+    moe_config = MoEConfig.from_config(model.config, False, True)
+    assert moe_config.norm_topk_prob == hf.config.norm_topk_prob
+    assert moe_config.shared_expert_intermediate_size == (getattr(hf.config, "shared_expert_intermediate_size", 0)
+                                                          or 0)
+
+
+def test_gguf_q8_0_blocks_equal_dequantized_at_load(moe, tmp_path):
+    """Q8_0 experts and layers: the linear layers' blocks kept (experts dequantized at load either way) give the
+    logits of the file dequantized at load, and the tokens; both near HF's (quantization noise only)."""
+    from qwenserve.model.loader.model_loader import LoadedModel
+    from qwenserve.worker.model_runner import full_logits
+    hf, _ = moe
+    path = save_gguf(hf, str(tmp_path / "moe-q8_0.gguf"), quant="Q8_0")
+    dequantized = full_logits(LoadedModel(path, dtype="float32", quantization="none").model, PROMPTS[3])
+    blocks = full_logits(LoadedModel(path, dtype="float32", quantization="gguf").model, PROMPTS[3])
+    torch.testing.assert_close(blocks, dequantized, atol=2e-3, rtol=0)
+    with torch.no_grad():
+        expected = hf(torch.tensor([PROMPTS[3]])).logits[0]
+    torch.testing.assert_close(dequantized, expected, atol=0.3, rtol=0)
+    kept = greedy_tokens(LLM(path, dtype="float32", kv_cache_memory="32MiB", quantization="gguf"), params=GREEDY)
+    assert kept == greedy_tokens(LLM(path, dtype="float32", kv_cache_memory="32MiB", quantization="none"),
+                                 params=GREEDY)
+
+
+def test_gguf_moe_metadata_is_checked(tmp_path):
+    from qwenserve.model.loader.checkpoint import config_from_gguf
+    from qwenserve.model.loader.gguf_file import GGUFFile
+    hf = tiny_moe("qwen3_moe")
+    file = GGUFFile(save_gguf(hf, str(tmp_path / "m.gguf"), quant="F32"))
+    names = frozenset(file.tensors)
+    assert config_from_gguf(file.metadata, names).extra["num_experts"] == 6
+    with pytest.raises(ConfigError, match="qwen3moe.expert_count must be a positive integer"):
+        config_from_gguf({k: v for k, v in file.metadata.items() if k != "qwen3moe.expert_count"}, names)
+    with pytest.raises(ConfigError, match="no router tensor"):
+        config_from_gguf(file.metadata, frozenset(n for n in names if "ffn_gate_inp" not in n))

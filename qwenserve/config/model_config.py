@@ -162,7 +162,9 @@ class ModelConfig:
     # the attention projections' biases as config.json's attention_bias says; None: the family's own default
     # (Qwen2: q/k/v biases; Qwen3: none)
     attention_bias: bool | None = None
-    extra: dict = field(default_factory=dict, compare=False)  # untouched config.json keys, for convert
+    # config.json keys not modelled here (a family's own fields, for its model class, and for convert); for a GGUF
+    # file, what its model class's gguf_config_fields makes of the metadata
+    extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
         positive = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

@@ -79,7 +79,7 @@ def reopen_checkpoint(resolved: ResolvedModel) -> Checkpoint:
     """The checkpoint an engine resolved, opened again for its weights or its tokenizer: its configuration is
     resolved's, not read or checked again."""
     if resolved.format == "gguf":
-        return GGUFCheckpoint(resolved.path, resolved.model_id, resolved.config)
+        return GGUFCheckpoint(resolved.path, resolved.model_id, resolved.config, resolved.model_class)
     return HFCheckpoint(resolved.path, resolved.model_id, resolved)
 
 
@@ -145,7 +145,8 @@ class HFCheckpoint(Checkpoint):
         return load_hf_tokenizer(self.path)
 
 
-# GGUF tensor names (llama.cpp) -> HF names
+# GGUF tensor names (llama.cpp) -> HF names. A model class adds its own layer names as `gguf_layer_names`
+# (model/interface.py); "{expert}" in one marks a 3-D tensor that holds every expert of the layer, one per index.
 _GGUF_LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
@@ -155,21 +156,26 @@ _GGUF_LAYER_NAMES = {
 _GGUF_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                       "output.weight": "lm_head.weight"}
 _GGUF_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+EXPERT_INDEX = "{expert}"
 
 
-def gguf_to_hf_name(name: str) -> str:
-    """blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight; unknown names are returned unchanged."""
+def gguf_to_hf_name(name: str, layer_names: dict[str, str] | None = None) -> str:
+    """blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight; unknown names are returned unchanged.
+    layer_names: a model class's own layer names (gguf_layer_names), beside the common ones."""
     if name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[name]
     m = _GGUF_LAYER_RE.match(name)
-    if m and m.group(2) in _GGUF_LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    names = {**_GGUF_LAYER_NAMES, **(layer_names or {})}
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
     return name
 
 
-def config_from_gguf(md: dict) -> ModelConfig:
+def config_from_gguf(md: dict, tensor_names: frozenset[str] = frozenset()) -> ModelConfig:
     """The model config from GGUF metadata: llama.cpp's keys under the file's general.architecture (which must
-    be registered, model/registry.py), e.g. qwen2.block_count."""
+    be registered, model/registry.py), e.g. qwen2.block_count. A model class with family fields of its own
+    (`gguf_config_fields`, model/interface.py) turns the metadata and the file's tensor names into them
+    (ModelConfig.extra)."""
     arch = md.get("general.architecture")
     architecture = MODEL_REGISTRY.architecture_for_gguf(arch)
 
@@ -189,6 +195,7 @@ def config_from_gguf(md: dict) -> ModelConfig:
             if f"{arch}.rope.scaling.{gguf_key}" in md:
                 scaling[hf_key] = md[f"{arch}.rope.scaling.{gguf_key}"]
     tokens = md.get("tokenizer.ggml.tokens")
+    family_fields = getattr(MODEL_REGISTRY.model_class(architecture), "gguf_config_fields", None)
     return ModelConfig(
         vocab_size=len(tokens) if tokens else need("vocab_size"),
         hidden_size=need("embedding_length"),
@@ -207,24 +214,32 @@ def config_from_gguf(md: dict) -> ModelConfig:
         bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=md.get("tokenizer.ggml.eos_token_id"),
         architectures=(architecture,),
+        extra=family_fields(md, arch, tensor_names) if family_fields else {},
     )
 
 
 class GGUFCheckpoint(Checkpoint):
+    """A llama.cpp GGUF file. A 3-D tensor of a layer's experts ([experts, rows, row length], e.g.
+    blk.N.ffn_gate_exps) comes out as one tensor per expert, each dequantized from its own bytes: experts run dense
+    in the run dtype whatever the quantization keeps of the other layers' blocks (no kernel runs experts' blocks
+    yet)."""
     format = "gguf"
 
-    def __init__(self, path: str, model_id: str | None = None, config: ModelConfig | None = None):
+    def __init__(self, path: str, model_id: str | None = None, config: ModelConfig | None = None,
+                 model_class: type | None = None):
         """config: the one an engine resolved from this file, taken as it is; without it the metadata is read
-        and checked."""
+        and checked. model_class: the class that runs it (default: the one registered for the config)."""
         self.file = GGUFFile(path)
         if config is None:
-            config = config_from_gguf(self.file.metadata)
+            config = config_from_gguf(self.file.metadata, frozenset(self.file.tensors))
             if "output.weight" not in self.file.tensors:  # no separate LM head: it is the embedding
                 config = dataclasses.replace(config, tie_word_embeddings=True)
             config = dataclasses.replace(config, attention_bias="blk.0.attn_q.bias" in self.file.tensors)
         generation = {"eos_token_id": config.eos_token_id} if config.eos_token_id is not None else {}
         super().__init__(path, model_id or os.path.basename(path), config,
                          "llama.cpp GGUF names (blk.N.attn_q.weight, ...)", generation)
+        model_class = model_class or MODEL_REGISTRY.model_class(config.architectures[0])
+        self.layer_names = getattr(model_class, "gguf_layer_names", {})
 
     native_quantization = "gguf"
 
@@ -233,8 +248,16 @@ class GGUFCheckpoint(Checkpoint):
         return (self.path,)
 
     def weights(self, keep_types: frozenset = frozenset()):
+        experts_logged = False
         for info in self.file.tensors.values():
-            name, raw = gguf_to_hf_name(info.name), self.file.raw(info.name)
+            name, raw = gguf_to_hf_name(info.name, self.layer_names), self.file.raw(info.name)
+            if EXPERT_INDEX in name:
+                if keep_types and not experts_logged and info.ggml_type not in _FLOAT_TYPES:
+                    logger.info("experts' tensors (%s, ...) are dequantized at load: experts run dense",
+                                info.name)
+                    experts_logged = True
+                yield from self._experts(info, name, raw)
+                continue
             if info.ggml_type in keep_types and len(info.shape) == 2:
                 yield name, GGMLTensor.from_bytes(torch.from_numpy(raw), info.ggml_type, info.shape)
                 continue
@@ -242,6 +265,18 @@ class GGUFCheckpoint(Checkpoint):
                 logger.info("%s is %s, which our kernels do not run: dequantized at load", info.name,
                             info.ggml_type.name)
             yield name, dequantize(raw, info.ggml_type, info.shape)
+
+    @staticmethod
+    def _experts(info, name: str, raw) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name of expert e, its [rows, row length] weight) for each expert of a stacked 3-D tensor; its bytes
+        are the experts' one after another, so each dequantizes alone (memory: one expert at a time)."""
+        if len(info.shape) != 3:
+            raise ValueError(f"GGUF tensor {info.name} has shape {list(info.shape)}; the experts' tensor must be "
+                             "3-D [experts, rows, row length]")
+        num_experts, per_expert = info.shape[0], info.nbytes // info.shape[0]
+        for e in range(num_experts):
+            yield name.replace(EXPERT_INDEX, str(e)), dequantize(raw[e * per_expert:(e + 1) * per_expert],
+                                                                  info.ggml_type, info.shape[1:])
 
     def tokenizer(self):
         return tokenizer_from_gguf(self.file.metadata)

@@ -5,8 +5,16 @@ the others keep a dense MLP of intermediate_size.
 
 The family's own config fields (num_experts, num_experts_per_tok, moe_intermediate_size,
 shared_expert_intermediate_size, norm_topk_prob, decoder_sparse_step, mlp_only_layers) are read and checked here
-from config.json (ModelConfig keeps them in `extra`). HF safetensors only so far: GGUF files of the family
-(qwen2moe) are not registered."""
+from config.json (ModelConfig keeps them in `extra`).
+
+GGUF files (general.architecture qwen2moe, as llama.cpp's convert_hf_to_gguf writes them) give the same fields
+through `gguf_config_fields`, from llama.cpp's keys ({arch}.expert_count, expert_used_count,
+expert_feed_forward_length, expert_shared_feed_forward_length) and from the tensors present: a layer is sparse
+where it has a router (blk.N.ffn_gate_inp), the shared expert exists where blk.N.ffn_gate_inp_shexp does.
+llama.cpp's own files have every layer sparse and, for qwen2moe, a shared expert; it renormalises the top-k for
+qwen3moe and not for qwen2moe (no key says so), as transformers' defaults do; {arch}.expert_weights_norm, where a
+file has it, overrides that. The experts' 3-D tensors (blk.N.ffn_{gate,up,down}_exps, [experts, rows, row
+length]) load one expert at a time, dequantized to the run dtype (the loader, GGUFCheckpoint)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -74,6 +82,13 @@ class MoEConfig:
         return layer_number not in self.mlp_only_layers and (layer_number + 1) % self.decoder_sparse_step == 0
 
 
+def _load_gate_vector(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    """The shared expert's gate [1, hidden] from HF's [1, hidden] or GGUF's vector [hidden]."""
+    if loaded.numel() != param.numel() or loaded.dim() > 2:
+        raise ValueError(f"shared expert gate of shape {tuple(loaded.shape)} does not fit {tuple(param.shape)}")
+    param.data.copy_(loaded.reshape(param.shape))
+
+
 class SparseMoeBlock(nn.Module):
     """The router (`gate`), the experts and, for Qwen2-MoE, the shared expert and its gate."""
 
@@ -86,6 +101,7 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = Qwen2MLP(config, tp, linear_method, moe.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
             self.shared_expert_gate.weight.requires_grad_(False)
+            self.shared_expert_gate.weight.weight_loader = _load_gate_vector
 
     def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
         out = self.experts(x, *self.gate(x))
@@ -118,9 +134,50 @@ class Qwen2MoeDecoderLayer(Qwen2DecoderLayer):
         return SparseMoeBlock(config, moe, tp, linear_method)
 
 
-@MODEL_REGISTRY.register("Qwen2MoeForCausalLM")
+def _gguf_positive(md: dict, key: str) -> int:
+    value = md.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"GGUF metadata {key} must be a positive integer, got {value!r}"
+                          + (" (missing)" if value is None else ""))
+    return value
+
+
+@MODEL_REGISTRY.register("Qwen2MoeForCausalLM", gguf_architecture="qwen2moe")
 class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
     layer_class = Qwen2MoeDecoderLayer
+    # llama.cpp's names for the sparse layers' tensors (gguf's MODEL_TENSOR.FFN_GATE_INP, FFN_*_EXP, FFN_*_SHEXP,
+    # FFN_GATE_INP_SHEXP); "{expert}": the tensor stacks every expert of the layer
+    gguf_layer_names = {
+        "ffn_gate_inp": "mlp.gate",
+        "ffn_gate_exps": "mlp.experts.{expert}.gate_proj", "ffn_up_exps": "mlp.experts.{expert}.up_proj",
+        "ffn_down_exps": "mlp.experts.{expert}.down_proj",
+        "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+        "ffn_down_shexp": "mlp.shared_expert.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    }
+
+    @classmethod
+    def gguf_config_fields(cls, md: dict, arch: str, tensor_names: frozenset[str]) -> dict:
+        """config.json's MoE fields from a GGUF file's metadata and tensor names (module docstring); MoEConfig
+        checks them as it checks config.json's when the model is built."""
+        layers = _gguf_positive(md, f"{arch}.block_count")
+        experts, used = _gguf_positive(md, f"{arch}.expert_count"), _gguf_positive(md, f"{arch}.expert_used_count")
+        dense_width = md.get(f"{arch}.feed_forward_length")
+        # llama.cpp's fallbacks where a width key is absent: the dense width over the experts used; the dense width
+        expert_width = md.get(f"{arch}.expert_feed_forward_length") or (dense_width or 0) // used
+        sparse = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in tensor_names]
+        if not sparse:
+            raise ConfigError(f"GGUF file of architecture {arch} has no router tensor (blk.N.ffn_gate_inp.weight) "
+                              "in any layer: it is not a mixture-of-experts file")
+        shared = cls.layer_class.has_shared_expert and any(
+            f"blk.{i}.ffn_gate_inp_shexp.weight" in tensor_names for i in sparse)
+        return {
+            "num_experts": experts, "num_experts_per_tok": used, "moe_intermediate_size": expert_width,
+            "shared_expert_intermediate_size": (md.get(f"{arch}.expert_shared_feed_forward_length") or dense_width)
+            if shared else 0,
+            "norm_topk_prob": bool(md.get(f"{arch}.expert_weights_norm", cls.layer_class.norm_topk_prob_default)),
+            "decoder_sparse_step": 1, "mlp_only_layers": [i for i in range(layers) if i not in sparse],
+            "qkv_bias": "blk.0.attn_q.bias" in tensor_names,
+        }
 
     def checkpoint_target(self, name: str) -> str | None:
         # transformers writes a shared expert of width 0 (and its gate) where shared_expert_intermediate_size is 0:
