@@ -458,6 +458,8 @@ def test_what_comes_from_the_network_is_shown_as_text(servers, driver, shots, ca
     the network: with hostile markup in each (the server's responses stood in for by the page's fetch), the page
     shows it as text, makes no element of it and runs nothing."""
     open_page(driver, servers[0])
+    # the page's own model list first: its fetch, answered after the stand-in's, would overwrite that one
+    wait(driver, lambda d: model_options(d), "the page's own model list")
     evil = f"<img src=x onerror=\"{SENTINEL}('net')\"><b>x</b>"
     chunks = [{"choices": [{"index": 0, "delta": {"reasoning_content": evil}}]},
               {"choices": [{"index": 0, "delta": {"tool_calls": [
