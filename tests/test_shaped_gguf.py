@@ -1,8 +1,10 @@
-"""`bench shaped-gguf`: Qwen2.5- and Qwen3-shaped GGUF files with random weights in llama.cpp's Q4_K_M type mix.
+"""`bench shaped-gguf`: Qwen2.5-, Qwen3- and MoE-shaped GGUF files with random weights in llama.cpp's Q4_K_M type
+mix.
 Reduced shapes are written with a tiny tokenizer (quick) and with the bundled one (slow); the real shapes' type
 plans are checked without writing them. The expected types are spelled out here layer by layer, from llama.cpp's
 rule (attn_v and ffn_down in Q6_K on the first and last eighth of the layers and every third one between, the LM
 head in Q6_K, the embedding in Q6_K where it is the LM head), not computed by the code under test."""
+import dataclasses
 import json
 import math
 import os
@@ -254,3 +256,126 @@ def test_a_qwen3_file_keeps_no_qwen2_keys_and_runs(ops, tiny_tokenizer_gguf, tmp
     assert (config.architectures[0], config.head_dim, config.attention_bias) == ("Qwen3ForCausalLM", 128, False)
     for token, logits in zip(out.token_ids, out.logits):
         assert torch.isfinite(logits).all() and logits.std() > 0.05 and token == int(logits.argmax())
+
+
+# --- mixture of experts: qwen3moe (Qwen3-30B-A3B) and qwen2moe (Qwen1.5-MoE-A2.7B) ---
+# Beside attn_v and ffn_down's Q6_K layers (MORE_BITS), llama.cpp's rule for these: the category is a name
+# substring, so ffn_down_exps and ffn_down_shexp are ffn_down tensors (Q6_K on the same layers); the router
+# ffn_gate_inp stays F32, as do 1-D tensors; a row length (last dimension) that is not a multiple of 256 falls back,
+# Q4_K -> Q5_0 and Q6_K -> Q8_0 (Qwen1.5-MoE's expert width 1408, and 384 in the reduced shapes).
+MORE_BITS |= {
+    24: {0, 1, 2, 5, 8, 11, 14, 17, 20, 21, 22, 23},  # n/8 = 3, 7n/8 = 21
+    48: {0, 1, 2, 3, 4, 5, 8, 11, 14, 17, 20, 23, 26, 29, 32, 35, 38, 41, 42, 43, 44, 45, 46, 47},  # n/8 = 6, 7n/8 = 42
+}
+SMALL_QWEN3_MOE = ModelShape("tiny", hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
+                             intermediate_size=512, tied_embeddings=False, architecture="qwen3moe",
+                             explicit_head_dim=128, num_experts=4, num_experts_used=2, expert_intermediate_size=384)
+SMALL_QWEN2_MOE = ModelShape("tiny", hidden_size=256, num_layers=4, num_heads=2, num_kv_heads=2,
+                             intermediate_size=512, tied_embeddings=False, architecture="qwen2moe", num_experts=4,
+                             num_experts_used=2, expert_intermediate_size=384, shared_expert_intermediate_size=512)
+
+
+def expected_moe_types(arch: str, layers: int, h: int, heads: int, kv_heads: int, head_dim: int, experts: int,
+                       expert_ff: int, shared_ff: int, vocab: int, fallback_down: bool, fallback_shared: bool = False):
+    """name -> (type, torch-order shape) of a Q4_K_M MoE file, from the arguments alone. fallback_down: the experts'
+    down rows (expert_ff long) are not whole 256-blocks, so Q5_0 / Q8_0 instead of Q4_K / Q6_K."""
+    q, kv = heads * head_dim, kv_heads * head_dim
+    want = {"token_embd.weight": (Q4_K, (vocab, h)), "output.weight": (Q6_K, (vocab, h)),
+            "output_norm.weight": (F32, (h,))}
+    for i in range(layers):
+        more = i in MORE_BITS[layers]
+        down = {(False, False): Q4_K, (True, False): Q6_K, (False, True): "Q5_0", (True, True): "Q8_0"}
+        want |= {f"blk.{i}.attn_q.weight": (Q4_K, (q, h)), f"blk.{i}.attn_k.weight": (Q4_K, (kv, h)),
+                 f"blk.{i}.attn_v.weight": (Q6_K if more else Q4_K, (kv, h)),
+                 f"blk.{i}.attn_output.weight": (Q4_K, (h, q)),
+                 f"blk.{i}.attn_norm.weight": (F32, (h,)), f"blk.{i}.ffn_norm.weight": (F32, (h,)),
+                 f"blk.{i}.ffn_gate_inp.weight": (F32, (experts, h)),
+                 f"blk.{i}.ffn_gate_exps.weight": (Q4_K, (experts, expert_ff, h)),
+                 f"blk.{i}.ffn_up_exps.weight": (Q4_K, (experts, expert_ff, h)),
+                 f"blk.{i}.ffn_down_exps.weight": (down[more, fallback_down], (experts, h, expert_ff))}
+        if arch == "qwen2moe":
+            want |= {f"blk.{i}.attn_q.bias": (F32, (q,)), f"blk.{i}.attn_k.bias": (F32, (kv,)),
+                     f"blk.{i}.attn_v.bias": (F32, (kv,)),
+                     f"blk.{i}.ffn_gate_shexp.weight": (Q4_K, (shared_ff, h)),
+                     f"blk.{i}.ffn_up_shexp.weight": (Q4_K, (shared_ff, h)),
+                     f"blk.{i}.ffn_down_shexp.weight": (down[more, fallback_shared], (h, shared_ff)),
+                     f"blk.{i}.ffn_gate_inp_shexp.weight": (F32, (h,))}
+        else:
+            want |= {f"blk.{i}.attn_q_norm.weight": (F32, (head_dim,)),
+                     f"blk.{i}.attn_k_norm.weight": (F32, (head_dim,))}
+    return want
+
+
+def test_the_real_moe_shapes_plan_the_q4_k_m_types():
+    # Qwen3-30B-A3B: 48 layers, hidden 2048, 32 q / 4 kv heads of 128, 128 experts of width 768, no shared expert
+    plan = {t.name: (t.ggml_type.name, t.shape) for t in tensor_plan(SHAPES["qwen3-30b-a3b"], 151936)}
+    assert plan == expected_moe_types("qwen3moe", 48, 2048, 32, 4, 128, 128, 768, 0, 151936, fallback_down=False)
+    # Qwen1.5-MoE-A2.7B: 24 layers, hidden 2048, 16 heads of 128 (MHA), 60 experts of width 1408 (not a multiple
+    # of 256: the experts' down rows fall back), a shared expert of 5632
+    plan = {t.name: (t.ggml_type.name, t.shape) for t in tensor_plan(SHAPES["qwen1.5-moe-a2.7b"], 151936)}
+    assert plan == expected_moe_types("qwen2moe", 24, 2048, 16, 16, 128, 60, 1408, 5632, 151936, fallback_down=True)
+    assert Counter(t for t, _ in plan.values())["Q5_0"] == 12 and Counter(t for t, _ in plan.values())["Q8_0"] == 12
+    # the published totals: 30.5B and 14.3B parameters (with the embedding and the untied LM head)
+    for name, billions in (("qwen3-30b-a3b", 30.5), ("qwen1.5-moe-a2.7b", 14.3)):
+        weights = sum(math.prod(t.shape) for t in tensor_plan(SHAPES[name], 151936))
+        assert round(weights / 1e9, 1) == billions, name
+
+
+@pytest.mark.parametrize("shape", [SMALL_QWEN3_MOE, SMALL_QWEN2_MOE], ids=["qwen3moe", "qwen2moe"])
+def test_a_moe_file_reads_back_and_runs(ops, shape, tiny_tokenizer_gguf, tmp_path):
+    path = str(tmp_path / "moe.gguf")
+    write_shaped_gguf(shape, path, seed=2, tokenizer_gguf=tiny_tokenizer_gguf)
+    assert read_with_gguf(path) == expected_moe_types(
+        shape.architecture, 4, 256, shape.num_heads, shape.num_kv_heads, 128, 4, 384, 512, 320, fallback_down=True)
+    f = GGUFFile(path)
+    arch = shape.architecture
+    assert f.metadata["general.architecture"] == arch and not [k for k in f.metadata if k.startswith("qwen2.")]
+    assert (f.metadata[f"{arch}.expert_count"], f.metadata[f"{arch}.expert_used_count"],
+            f.metadata[f"{arch}.expert_feed_forward_length"]) == (4, 2, 384)
+    assert f.metadata.get(f"{arch}.expert_shared_feed_forward_length") == (512 if arch == "qwen2moe" else None)
+    # the fallback blocks keep the others' spread: Q5_0 on layer 0, Q8_0 on layer 3 (a more-bits layer)
+    for name in ("blk.0.ffn_down_exps.weight", "blk.3.ffn_down_exps.weight", "blk.0.ffn_gate_exps.weight"):
+        info = f.tensors[name]
+        w = gguf.quants.dequantize(f.raw(name).reshape(-1, info.nbytes // math.prod(info.shape[:-1])),
+                                   info.ggml_type)
+        assert np.isfinite(w).all() and 0.018 < w.std() < 0.022 and abs(w.mean()) < 0.002, (name, w.std())
+    llm, out = greedy_with_logits(path, {"prompt_token_ids": [5, 77, 120, 9]})
+    config = llm.engine.resolved_model.config
+    assert config.architectures[0] == {"qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM"}[arch]
+    assert (config.extra["num_experts"], config.extra["num_experts_per_tok"],
+            config.extra["moe_intermediate_size"]) == (4, 2, 384)
+    assert config.extra["shared_expert_intermediate_size"] == (512 if arch == "qwen2moe" else 0)
+    assert config.attention_bias == (arch == "qwen2moe")
+    assert len(out.token_ids) == 4
+    for token, logits in zip(out.token_ids, out.logits):
+        assert torch.isfinite(logits).all() and logits.std() > 0.05 and token == int(logits.argmax())
+
+
+def test_layers_writes_the_first_n(tiny_tokenizer_gguf, tmp_path):
+    path = str(tmp_path / "cut.gguf")
+    assert main(["bench", "shaped-gguf", "--shape", "qwen3-30b-a3b", "--output", path, "--layers", "1",
+                 "--tokenizer-gguf", tiny_tokenizer_gguf]) == 0
+    f = GGUFFile(path)
+    assert f.metadata["qwen3moe.block_count"] == 1
+    assert {n.split(".")[1] for n in f.tensors if n.startswith("blk.")} == {"0"}
+    assert f.tensors["blk.0.ffn_down_exps.weight"].shape == (128, 2048, 768)
+    for bad in ("0", "49", "-1"):
+        assert main(["bench", "shaped-gguf", "--shape", "qwen3-30b-a3b", "--output", str(tmp_path / "x.gguf"),
+                     "--layers", bad, "--tokenizer-gguf", tiny_tokenizer_gguf]) == 2
+    with pytest.raises(ValueError, match="--layers must be an integer from 1 to the shape's 24 layers, got 25"):
+        write_shaped_gguf(SHAPES["qwen1.5-moe-a2.7b"], str(tmp_path / "x.gguf"), layers=25,
+                          tokenizer_gguf=tiny_tokenizer_gguf)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cut.gguf"]
+
+
+def test_bad_moe_shapes_are_named():
+    with pytest.raises(ValueError, match="expert_intermediate_size 400 is not a multiple of 32"):
+        dataclasses.replace(SMALL_QWEN3_MOE, expert_intermediate_size=400)
+    with pytest.raises(ValueError, match="num_experts_used 5 exceeds num_experts 4"):
+        dataclasses.replace(SMALL_QWEN3_MOE, num_experts_used=5)
+    with pytest.raises(ValueError, match="qwen3moe shape has no shared expert"):
+        dataclasses.replace(SMALL_QWEN3_MOE, shared_expert_intermediate_size=512)
+    with pytest.raises(ValueError, match="shared_expert_intermediate_size must be a positive integer"):
+        dataclasses.replace(SMALL_QWEN2_MOE, shared_expert_intermediate_size=0)
+    with pytest.raises(ValueError, match="qwen2 shape has no experts"):
+        ModelShape("x", 256, 2, 2, 1, 512, True, num_experts=4)

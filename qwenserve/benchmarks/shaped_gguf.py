@@ -1,12 +1,22 @@
-"""`qwenserve bench shaped-gguf`: Qwen2.5-1.5B-, 3B- and 7B-shaped and Qwen3-1.7B- and 8B-shaped GGUF files with
-random weights, in the type mix llama.cpp's quantizer gives LLAMA_FTYPE_MOSTLY_Q4_K_M, for timing only (their text
-is noise).
+"""`qwenserve bench shaped-gguf`: Qwen2.5-1.5B-, 3B- and 7B-shaped, Qwen3-1.7B- and 8B-shaped and the
+mixture-of-experts Qwen3-30B-A3B- and Qwen1.5-MoE-A2.7B-shaped GGUF files with random weights, in the type mix
+llama.cpp's quantizer gives LLAMA_FTYPE_MOSTLY_Q4_K_M, for timing only (their text is noise). `layers` (--layers)
+writes only the first N decoder layers, for quick runs.
 
-The shapes are those of the published Qwen2.5 and Qwen3 config.json files. A Qwen3 file (general.architecture
-qwen3) has no q/k/v biases, a per-head RMSNorm weight for queries and keys in each layer (attn_q_norm,
-attn_k_norm, F32) and its head width as qwen3.attention.key_length / value_length. The tokenizer and the rest of
-the metadata are copied from another GGUF file (the bundled model by default): every key but the shape keys and the
-name keys, the source's architecture keys renamed to the shape's.
+The shapes are those of the published Qwen2.5, Qwen3, Qwen3-MoE and Qwen1.5-MoE config.json files. A Qwen3 file
+(general.architecture qwen3) has no q/k/v biases, a per-head RMSNorm weight for queries and keys in each layer
+(attn_q_norm, attn_k_norm, F32) and its head width as qwen3.attention.key_length / value_length. The tokenizer and
+the rest of the metadata are copied from another GGUF file (the bundled model by default): every key but the shape
+keys and the name keys, the source's architecture keys renamed to the shape's.
+
+A mixture-of-experts file (qwen3moe: Qwen3's attention; qwen2moe: Qwen2's, with q/k/v biases) has in every layer a
+router (ffn_gate_inp.weight, [experts, hidden], F32: llama.cpp never quantizes it), the experts stacked in 3-D
+tensors (ffn_gate_exps and ffn_up_exps [experts, expert FFN, hidden], ffn_down_exps [experts, hidden, expert FFN])
+and, for qwen2moe, a shared expert (ffn_{gate,up,down}_shexp) with its sigmoid gate (ffn_gate_inp_shexp.weight,
+[hidden], F32). The router weights are random, so each token's top-k experts are close to a uniform draw: every
+expert is used about equally often and a batch touches nearly all of them. That is the expensive case for anything
+that caches or prefetches experts (a trained router's preferences would make it cheaper), so timings here bound it
+from the slow side.
 
 The type of each tensor follows llama.cpp's quantizer (`src/llama-quant.cpp`, `llama_tensor_get_type_impl`,
 reached through `llama_tensor_get_type` for each tensor it may quantize):
@@ -15,17 +25,26 @@ reached through `llama_tensor_get_type` for each tensor it may quantize):
   i >= 7n/8, or (i - n/8) % 3 == 2 (integer division). The counters it passes are the tensor's position among
   the model's attn_v (or ffn_down) tensors, which its loader sorts by layer number, so i is the layer index and n
   the layer count. Its attn_v branch for Q4_K_M has no GQA condition (the `n_gqa() >= 4` tests belong to the
-  Q2_K, Q2_K_S, IQ3 and IQ4 types), and its 70B and 8-expert overrides do not apply to these shapes;
+  Q2_K, Q2_K_S, IQ3 and IQ4 types), and its 70B and 8-expert overrides do not apply to these shapes (128 and 60
+  experts);
+- the category is a substring of the name, so `ffn_down_exps` and `ffn_down_shexp` are ffn_down tensors: with
+  experts (n_expert > 1) the layer i is parsed from the name and n is the model's layer count, so both get Q6_K
+  on the same layers as a dense ffn_down; gate and up (exps and shexp) keep Q4_K;
+- `ffn_gate_inp.weight` (the router) is never quantized, and 1-D tensors (`ffn_gate_inp_shexp.weight` too) stay
+  F32;
 - `output.weight` gets Q6_K (its row length is a multiple of 256, and Q4_K is not Q8_0);
 - `token_embd.weight` keeps Q4_K in an untied model, but where the model has no `output.weight` the quantizer
   sets `has_tied_embeddings` (in `init_quantize_state_counters`) and gives the embedding the output tensor's
   type: Q6_K, as for the 1.5B and 3B shapes here;
-- a row length that is not a multiple of 256 would fall back (`tensor_type_fallback`: Q4_K to Q5_0, Q6_K to
-  Q8_0); every shape here has rows of multiples of 256, and other shapes are refused.
+- a row length (ne[0], the last dimension in torch order) that is not a multiple of 256 falls back (Q4_K to
+  Q5_0, Q6_K to Q8_0, both in blocks of 32). Only the experts' FFN widths may be such here (Qwen1.5-MoE's 1408:
+  its ffn_down_exps are Q5_0, Q8_0 on the more-bits layers); they must be multiples of 32 (else llama.cpp would
+  go on to F16), and the hidden size, the heads' width and a dense FFN must be multiples of 256.
 
 The blocks are random but valid: Q4_K with per-sub-block minimums that centre each sub-block on zero, Q6_K with
-positive sub-block scales, and fp16 block scales set so that the weights' standard deviation is about 0.02 (that of
-a trained model's), which keeps activations finite through every layer. A seed fixes every byte.
+positive sub-block scales, Q5_0 and Q8_0 with uniform codes, and fp16 block scales set so that the weights' standard
+deviation is about 0.02 (that of a trained model's), which keeps activations finite through every layer. A seed
+fixes every byte.
 """
 from __future__ import annotations
 
@@ -43,14 +62,18 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWrit
 from qwenserve.model.loader.gguf_file import GGUFFile
 
 Q4_K, Q6_K, F32 = GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K, GGMLQuantizationType.F32
+Q5_0, Q8_0 = GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q8_0
 QK_K = 256  # weights per K-quant block
+QK_FALLBACK = 32  # weights per Q5_0 / Q8_0 block, the fallback types
+# llama.cpp's tensor_type_fallback for a row length that is not a multiple of QK_K
+_FALLBACK = {Q4_K: Q5_0, Q6_K: Q8_0}
 WEIGHT_STD = 0.02
 SOURCE_ARCH = "qwen2"  # the tokenizer file's architecture (the bundled model's)
 
 
 @dataclass(frozen=True)
 class ModelShape:
-    """A Qwen2 or Qwen3 decoder's shape; the vocabulary is the tokenizer's."""
+    """A Qwen2, Qwen3, Qwen2-MoE or Qwen3-MoE decoder's shape; the vocabulary is the tokenizer's."""
     size_label: str  # general.size_label, e.g. "1.5B"
     hidden_size: int
     num_layers: int
@@ -61,16 +84,24 @@ class ModelShape:
     context_length: int = 32768
     rope_theta: float = 1_000_000.0
     rms_norm_eps: float = 1e-6
-    architecture: str = "qwen2"  # general.architecture: qwen2 or qwen3
+    architecture: str = "qwen2"  # general.architecture: qwen2, qwen3, qwen2moe or qwen3moe
     explicit_head_dim: int | None = None  # Qwen3's head_dim; None: hidden_size / num_heads
+    # mixture of experts only (0 for a dense shape); intermediate_size is then metadata only (no dense FFN)
+    num_experts: int = 0
+    num_experts_used: int = 0
+    expert_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0  # qwen2moe's shared expert
 
     def __post_init__(self):
-        if self.architecture not in ("qwen2", "qwen3"):
-            raise ValueError(f"shape architecture must be qwen2 or qwen3, got {self.architecture!r}")
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"shape architecture must be one of {', '.join(ARCHITECTURES)}, got "
+                             f"{self.architecture!r}")
         for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "context_length"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"shape {name} must be a positive integer, got {getattr(self, name)!r}")
-        for name in ("hidden_size", "intermediate_size"):
+        self._check_experts()
+        # the dense FFN's rows are tensors only in a dense shape; the experts' widths may fall back (_check_experts)
+        for name in ("hidden_size",) if self.is_moe else ("hidden_size", "intermediate_size"):
             if getattr(self, name) % QK_K:
                 raise ValueError(f"shape {name} {getattr(self, name)} is not a multiple of {QK_K}: its rows would not "
                                  "be whole Q4_K/Q6_K blocks (llama.cpp would fall back to other types)")
@@ -85,6 +116,40 @@ class ModelShape:
             raise ValueError(f"shape num_heads {self.num_heads} is not a multiple of num_kv_heads "
                              f"{self.num_kv_heads}")
 
+    def _check_experts(self) -> None:
+        moe_fields = ("num_experts", "num_experts_used", "expert_intermediate_size",
+                      "shared_expert_intermediate_size")
+        if not self.is_moe:
+            if any(getattr(self, name) for name in moe_fields):
+                raise ValueError(f"a {self.architecture} shape has no experts: {', '.join(moe_fields)} must be 0")
+            return
+        widths = ("expert_intermediate_size",) + (("shared_expert_intermediate_size",) if self.has_shared_expert
+                                                  else ())
+        for name in ("num_experts", "num_experts_used") + widths:
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"shape {name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.num_experts_used > self.num_experts:
+            raise ValueError(f"shape num_experts_used {self.num_experts_used} exceeds num_experts {self.num_experts}")
+        if not self.has_shared_expert and self.shared_expert_intermediate_size:
+            raise ValueError(f"a {self.architecture} shape has no shared expert: shared_expert_intermediate_size "
+                             "must be 0")
+        for name in widths:  # a row length off QK_K falls back to Q5_0/Q8_0, whose blocks must still fit
+            if getattr(self, name) % QK_FALLBACK:
+                raise ValueError(f"shape {name} {getattr(self, name)} is not a multiple of {QK_FALLBACK}: its rows "
+                                 "would be whole blocks of neither Q4_K/Q6_K nor their fallbacks Q5_0/Q8_0")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.architecture in ("qwen2moe", "qwen3moe")
+
+    @property
+    def has_shared_expert(self) -> bool:
+        return self.architecture == "qwen2moe"
+
+    @property
+    def qkv_bias(self) -> bool:  # Qwen2's attention; Qwen3's has per-head q/k norms instead
+        return self.architecture in ("qwen2", "qwen2moe")
+
     @property
     def head_dim(self) -> int:
         return self.explicit_head_dim or self.hidden_size // self.num_heads
@@ -95,10 +160,13 @@ class ModelShape:
 
     @property
     def family(self) -> str:
-        return {"qwen2": "Qwen2.5", "qwen3": "Qwen3"}[self.architecture]
+        return {"qwen2": "Qwen2.5", "qwen3": "Qwen3", "qwen2moe": "Qwen1.5-MoE",
+                "qwen3moe": "Qwen3-MoE"}[self.architecture]
 
 
-# from the published Qwen2.5 and Qwen3 config.json files
+ARCHITECTURES = ("qwen2", "qwen3", "qwen2moe", "qwen3moe")
+
+# from the published Qwen2.5, Qwen3, Qwen3-30B-A3B and Qwen1.5-MoE-A2.7B config.json files
 SHAPES = {
     "1.5b": ModelShape("1.5B", 1536, 28, 12, 2, 8960, tied_embeddings=True),
     "3b": ModelShape("3B", 2048, 36, 16, 2, 11008, tied_embeddings=True),
@@ -107,13 +175,19 @@ SHAPES = {
                              architecture="qwen3", explicit_head_dim=128),
     "qwen3-8b": ModelShape("8B", 4096, 36, 32, 8, 12288, tied_embeddings=False, context_length=40960,
                            architecture="qwen3", explicit_head_dim=128),
+    "qwen3-30b-a3b": ModelShape("30B-A3B", 2048, 48, 32, 4, 6144, tied_embeddings=False, context_length=40960,
+                                architecture="qwen3moe", explicit_head_dim=128, num_experts=128, num_experts_used=8,
+                                expert_intermediate_size=768),
+    "qwen1.5-moe-a2.7b": ModelShape("A2.7B", 2048, 24, 16, 16, 5632, tied_embeddings=False, context_length=8192,
+                                    architecture="qwen2moe", num_experts=60, num_experts_used=4,
+                                    expert_intermediate_size=1408, shared_expert_intermediate_size=5632),
 }
 
 
 @dataclass(frozen=True)
 class PlannedTensor:
     name: str
-    shape: tuple[int, ...]  # torch order: (rows, row length) or (length,)
+    shape: tuple[int, ...]  # torch order: (rows, row length), (experts, rows, row length) or (length,)
     ggml_type: GGMLQuantizationType
 
     @property
@@ -128,33 +202,49 @@ def gets_more_bits(layer: int, num_layers: int) -> bool:
     return layer < eighth or layer >= 7 * num_layers // 8 or (layer - eighth) % 3 == 2
 
 
-def q4_k_m_type(name: str, num_layers: int, tied_embeddings: bool) -> GGMLQuantizationType:
-    """The type llama.cpp's quantizer gives a 2-D weight of a Qwen2 model in a Q4_K_M file (module docstring)."""
+def q4_k_m_type(name: str, num_layers: int, tied_embeddings: bool, row_length: int = QK_K) -> GGMLQuantizationType:
+    """The type llama.cpp's quantizer gives a 2-D or 3-D weight of a Qwen model in a Q4_K_M file (module
+    docstring); row_length: the tensor's ne[0], for the fallback."""
     if name == "output.weight" or (name == "token_embd.weight" and tied_embeddings):
-        return Q6_K
-    match = re.fullmatch(r"blk\.(\d+)\.(attn_v|ffn_down)\.weight", name)
-    if match and gets_more_bits(int(match.group(1)), num_layers):
-        return Q6_K
-    return Q4_K
+        chosen = Q6_K
+    else:
+        # ffn_down_exps and ffn_down_shexp match too: llama.cpp's category is a substring of the name
+        match = re.fullmatch(r"blk\.(\d+)\.(attn_v|ffn_down(?:_exps|_shexp)?)\.weight", name)
+        chosen = Q6_K if match and gets_more_bits(int(match.group(1)), num_layers) else Q4_K
+    return _FALLBACK[chosen] if row_length % QK_K else chosen
 
 
 def tensor_plan(shape: ModelShape, vocab_size: int) -> list[PlannedTensor]:
     """Every tensor of the file in the order written, the bundled file's: the LM head (untied only), the
     embedding, each layer's tensors by name, the final norm."""
     h, q, kv = shape.hidden_size, shape.q_size, shape.num_kv_heads * shape.head_dim
-    biased = shape.architecture == "qwen2"
+    biased = shape.qkv_bias
 
-    def weight(name: str, rows: int, row_length: int) -> PlannedTensor:
-        return PlannedTensor(name, (rows, row_length), q4_k_m_type(name, shape.num_layers, shape.tied_embeddings))
+    def weight(name: str, *dims: int) -> PlannedTensor:
+        return PlannedTensor(name, dims, q4_k_m_type(name, shape.num_layers, shape.tied_embeddings, dims[-1]))
+
+    def ffn(i: int) -> list[PlannedTensor]:
+        if not shape.is_moe:
+            ff = shape.intermediate_size
+            return [weight(f"blk.{i}.ffn_down.weight", h, ff), weight(f"blk.{i}.ffn_gate.weight", ff, h),
+                    weight(f"blk.{i}.ffn_up.weight", ff, h)]
+        n, ff, sh = shape.num_experts, shape.expert_intermediate_size, shape.shared_expert_intermediate_size
+        return [
+            PlannedTensor(f"blk.{i}.ffn_gate_inp.weight", (n, h), F32),  # the router: never quantized
+            weight(f"blk.{i}.ffn_down_exps.weight", n, h, ff),
+            weight(f"blk.{i}.ffn_gate_exps.weight", n, ff, h),
+            weight(f"blk.{i}.ffn_up_exps.weight", n, ff, h),
+            *([weight(f"blk.{i}.ffn_down_shexp.weight", h, sh), weight(f"blk.{i}.ffn_gate_shexp.weight", sh, h),
+               weight(f"blk.{i}.ffn_up_shexp.weight", sh, h),
+               PlannedTensor(f"blk.{i}.ffn_gate_inp_shexp.weight", (h,), F32)] if shape.has_shared_expert else []),
+        ]
 
     plan = [] if shape.tied_embeddings else [weight("output.weight", vocab_size, h)]
     plan.append(weight("token_embd.weight", vocab_size, h))
     for i in range(shape.num_layers):
         layer = [
             PlannedTensor(f"blk.{i}.attn_norm.weight", (h,), F32),
-            weight(f"blk.{i}.ffn_down.weight", h, shape.intermediate_size),
-            weight(f"blk.{i}.ffn_gate.weight", shape.intermediate_size, h),
-            weight(f"blk.{i}.ffn_up.weight", shape.intermediate_size, h),
+            *ffn(i),
             PlannedTensor(f"blk.{i}.ffn_norm.weight", (h,), F32),
             *([PlannedTensor(f"blk.{i}.attn_k.bias", (kv,), F32)] if biased else []),
             weight(f"blk.{i}.attn_k.weight", kv, h),
@@ -195,6 +285,10 @@ _Q4_K_D = WEIGHT_STD / math.sqrt(_Q4_K_MEAN_SQUARE * _JITTER_MEAN_SQUARE)
 _Q6_K_SCALES = (8, 15)
 _Q6_K_MEAN_SQUARE = _uniform_mean_square(*_Q6_K_SCALES) * _uniform_mean_square(-32, 31)
 _Q6_K_D = WEIGHT_STD / math.sqrt(_Q6_K_MEAN_SQUARE * _JITTER_MEAN_SQUARE)
+
+# Q5_0 (the fallback for Q4_K): w = d * (q - 16) per block of 32, q in 0..31. Q8_0 (for Q6_K): w = d * q, q an int8.
+_Q5_0_D = WEIGHT_STD / math.sqrt(_uniform_mean_square(-16, 15) * _JITTER_MEAN_SQUARE)
+_Q8_0_D = WEIGHT_STD / math.sqrt(_uniform_mean_square(-128, 127) * _JITTER_MEAN_SQUARE)
 
 
 def _random_bytes(rng: np.random.Generator, n_blocks: int, width: int) -> np.ndarray:
@@ -243,7 +337,25 @@ def random_q6_k_blocks(rng: np.random.Generator, n_blocks: int) -> np.ndarray:
     return blocks
 
 
-_RANDOM_BLOCKS = {Q4_K: random_q4_k_blocks, Q6_K: random_q6_k_blocks}
+def random_q5_0_blocks(rng: np.random.Generator, n_blocks: int) -> np.ndarray:
+    """[n_blocks, 22] uint8: fp16 d, 4 bytes of the codes' fifth bits, 16 bytes of low nibbles (any bits are valid
+    codes, so random bytes give uniform ones)."""
+    blocks = np.empty((n_blocks, 22), dtype=np.uint8)
+    blocks[:, 0:2] = _block_scales(rng, n_blocks, _Q5_0_D).view(np.uint8).reshape(n_blocks, 2)
+    blocks[:, 2:] = _random_bytes(rng, n_blocks, 20)
+    return blocks
+
+
+def random_q8_0_blocks(rng: np.random.Generator, n_blocks: int) -> np.ndarray:
+    """[n_blocks, 34] uint8: fp16 d, 32 int8 codes."""
+    blocks = np.empty((n_blocks, 34), dtype=np.uint8)
+    blocks[:, 0:2] = _block_scales(rng, n_blocks, _Q8_0_D).view(np.uint8).reshape(n_blocks, 2)
+    blocks[:, 2:] = _random_bytes(rng, n_blocks, 32)
+    return blocks
+
+
+_RANDOM_BLOCKS = {Q4_K: random_q4_k_blocks, Q6_K: random_q6_k_blocks, Q5_0: random_q5_0_blocks,
+                  Q8_0: random_q8_0_blocks}
 _CHUNK_BYTES = 32 << 20  # generated and written at a time: memory stays bounded whatever the tensor
 
 
@@ -252,12 +364,13 @@ def tensor_bytes(tensor: PlannedTensor, rng: np.random.Generator):
     if tensor.ggml_type == F32:
         if tensor.name.endswith("_norm.weight"):
             yield np.ones(tensor.shape, dtype=np.float32).tobytes()
-        else:  # the q, k and v biases
+        else:  # the q, k and v biases, the routers and the shared experts' gates
             yield rng.normal(0.0, WEIGHT_STD, tensor.shape).astype(np.float32).tobytes()
         return
-    rows, row_length = tensor.shape
-    blocks_per_row = row_length // QK_K
-    row_bytes = blocks_per_row * GGML_QUANT_SIZES[tensor.ggml_type][1]
+    rows, row_length = math.prod(tensor.shape[:-1]), tensor.shape[-1]  # experts' rows follow one another
+    block_elems, block_bytes = GGML_QUANT_SIZES[tensor.ggml_type]
+    blocks_per_row = row_length // block_elems
+    row_bytes = blocks_per_row * block_bytes
     rows_per_chunk = max(1, _CHUNK_BYTES // row_bytes)
     for start in range(0, rows, rows_per_chunk):
         n_rows = min(rows_per_chunk, rows - start)
@@ -270,6 +383,11 @@ def _own_metadata(shape: ModelShape) -> dict[str, tuple[object, GGUFValueType]]:
     arch = shape.architecture
     head_width = ({f"{arch}.attention.key_length": (shape.head_dim, u32),
                    f"{arch}.attention.value_length": (shape.head_dim, u32)} if shape.explicit_head_dim else {})
+    experts = {f"{arch}.expert_count": (shape.num_experts, u32),
+               f"{arch}.expert_used_count": (shape.num_experts_used, u32),
+               f"{arch}.expert_feed_forward_length": (shape.expert_intermediate_size, u32)} if shape.is_moe else {}
+    if shape.has_shared_expert:
+        experts[f"{arch}.expert_shared_feed_forward_length"] = (shape.shared_expert_intermediate_size, u32)
     return {
         "general.name": (f"{shape.family} {shape.size_label} shaped, random weights (for timing only)", text),
         "general.basename": (f"{shape.family}-shaped", text),
@@ -282,6 +400,7 @@ def _own_metadata(shape: ModelShape) -> dict[str, tuple[object, GGUFValueType]]:
         f"{arch}.attention.head_count": (shape.num_heads, u32),
         f"{arch}.attention.head_count_kv": (shape.num_kv_heads, u32),
         **head_width,
+        **experts,
         f"{arch}.rope.freq_base": (shape.rope_theta, f32),
         f"{arch}.attention.layer_norm_rms_epsilon": (shape.rms_norm_eps, f32),
         "general.file_type": (int(LlamaFileType.MOSTLY_Q4_K_M), u32),
@@ -312,10 +431,23 @@ def _metadata(shape: ModelShape, source: GGUFFile) -> list[tuple[str, object, GG
     return out
 
 
+def with_layers(shape: ModelShape, layers: int | None) -> ModelShape:
+    """The shape cut to its first `layers` decoder layers (None: all). The types then follow llama.cpp's rule for
+    a model of that many layers, as quantizing such a file would give."""
+    if layers is None:
+        return shape
+    if not isinstance(layers, int) or isinstance(layers, bool) or not 1 <= layers <= shape.num_layers:
+        raise ValueError(f"--layers must be an integer from 1 to the shape's {shape.num_layers} layers, "
+                         f"got {layers!r}")
+    return dataclasses.replace(shape, num_layers=layers)
+
+
 def write_shaped_gguf(shape: ModelShape, output: str, seed: int = 0, tokenizer_gguf: str | None = None,
-                      overwrite: bool = False) -> dict:
+                      overwrite: bool = False, layers: int | None = None) -> dict:
     """Write `shape` with random Q4_K_M-mix weights to `output`, its tokenizer and metadata layout from
-    `tokenizer_gguf` (default: the bundled model). Returns the path, size, seconds and tensor counts by type."""
+    `tokenizer_gguf` (default: the bundled model); layers: only the first N decoder layers (block_count N).
+    Returns the path, size, seconds and tensor counts by type."""
+    shape = with_layers(shape, layers)
     if os.path.exists(output) and not overwrite:
         raise FileExistsError(f"{output} exists; pass --overwrite to replace it")
     if not isinstance(seed, int) or seed < 0:
@@ -340,10 +472,10 @@ def write_shaped_gguf(shape: ModelShape, output: str, seed: int = 0, tokenizer_g
         for tensor in plan:
             if tensor.ggml_type == F32:
                 writer.add_tensor_info(tensor.name, tensor.shape, np.dtype(np.float32), tensor.nbytes)
-            else:  # declared by its bytes ([rows, bytes per row] of uint8), as GGUFWriter takes quantized data
-                rows = tensor.shape[0]
-                writer.add_tensor_info(tensor.name, (rows, tensor.nbytes // rows), np.dtype(np.uint8), tensor.nbytes,
-                                       raw_dtype=tensor.ggml_type)
+            else:  # declared by its bytes ([..., rows, bytes per row] of uint8), as GGUFWriter takes quantized data
+                rows = math.prod(tensor.shape[:-1])
+                writer.add_tensor_info(tensor.name, (*tensor.shape[:-1], tensor.nbytes // rows), np.dtype(np.uint8),
+                                       tensor.nbytes, raw_dtype=tensor.ggml_type)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()

@@ -90,8 +90,8 @@ def register(sub) -> None:
     ar.add_argument("--json", action="store_true")
 
     from qwenserve.benchmarks.shaped_gguf import SHAPES
-    shaped = bench_sub.add_parser("shaped-gguf", help="write a Qwen2.5-1.5B/3B/7B- or Qwen3-1.7B/8B-shaped GGUF with "
-                                                      "random weights in "
+    shaped = bench_sub.add_parser("shaped-gguf", help="write a Qwen2.5-1.5B/3B/7B-, Qwen3-1.7B/8B-, Qwen3-30B-A3B- "
+                                                      "or Qwen1.5-MoE-A2.7B-shaped GGUF with random weights in "
                                                       "llama.cpp's Q4_K_M type mix, to time (its text is noise)")
     shaped.add_argument("--shape", choices=list(SHAPES), required=True)
     shaped.add_argument("--output", required=True, help="the .gguf file to write")
@@ -99,6 +99,8 @@ def register(sub) -> None:
     shaped.add_argument("--tokenizer-gguf", default=None,
                         help="a qwen2 GGUF file whose tokenizer and metadata layout to copy (default: the bundled "
                              "model)")
+    shaped.add_argument("--layers", type=int, default=None,
+                        help="write only the first N decoder layers (block_count N), for quick runs (default: all)")
     shaped.add_argument("--overwrite", action="store_true", help="replace an existing --output")
     shaped.add_argument("--json", action="store_true")
 
@@ -215,7 +217,8 @@ def run(args: argparse.Namespace) -> int:
         from qwenserve.benchmarks.shaped_gguf import SHAPES, write_shaped_gguf
         if not args.output.endswith(".gguf"):
             raise ValueError(f"--output {args.output} must end in .gguf (the loaders know GGUF files by it)")
-        result = write_shaped_gguf(SHAPES[args.shape], args.output, args.seed, args.tokenizer_gguf, args.overwrite)
+        result = write_shaped_gguf(SHAPES[args.shape], args.output, args.seed, args.tokenizer_gguf, args.overwrite,
+                                   layers=args.layers)
     elif args.bench_command == "structured":
         from qwenserve.benchmarks.structured import bench_structured
         result = bench_structured(engine_config_from_args(args), args.batch, args.max_tokens, args.rounds)
