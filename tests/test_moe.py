@@ -180,3 +180,37 @@ def test_gguf_moe_metadata_is_checked(tmp_path):
         config_from_gguf({k: v for k, v in file.metadata.items() if k != "qwen3moe.expert_count"}, names)
     with pytest.raises(ConfigError, match="no router tensor"):
         config_from_gguf(file.metadata, frozenset(n for n in names if "ffn_gate_inp" not in n))
+
+
+def test_lora_on_attention_equals_peft_and_on_experts_is_refused(tmp_path):
+    """Adapters of the attention projections run on a MoE model as on a dense one; an adapter of the experts' (or
+    the shared expert's) projections fails its request with an error naming the tensor, and the engine goes on."""
+    import copy
+
+    import peft
+
+    from qwenserve import LoRARequest
+    from qwenserve.config.errors import RequestError
+    hf = tiny_moe("qwen2_moe", seed=1)
+    llm = LLM(save_hf_dir(hf, str(tmp_path / "base")), dtype="float32", enable_lora=True, max_lora_rank=4,
+              kv_cache_memory="32MiB")
+
+    def adapter(name, targets):
+        torch.manual_seed(2)
+        model = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(
+            r=4, lora_alpha=8, init_lora_weights=False, target_modules=targets)).eval()
+        model.save_pretrained(str(tmp_path / name))
+        return model, LoRARequest(name, len(name), str(tmp_path / name))
+
+    attention, request = adapter("attn", ["q_proj", "v_proj", "o_proj"])
+    out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False, lora_request=request)[0]
+    tokens = []
+    with torch.no_grad():
+        for _ in range(GREEDY.max_tokens):
+            tokens.append(int(attention(input_ids=torch.tensor([PROMPTS[0] + tokens])).logits[0, -1].argmax()))
+    assert list(out.outputs[0].token_ids) == tokens
+    _, experts = adapter("experts", ["gate_proj"])
+    with pytest.raises(RequestError, match="mlp.shared_expert.gate_proj.lora_A.weight"):
+        llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False, lora_request=experts)
+    assert greedy_tokens(llm, [PROMPTS[1]], GREEDY)  # the engine serves on
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks

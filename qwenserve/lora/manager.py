@@ -37,6 +37,8 @@ class LoRAManager:
         # (layer, checkpoint module e.g. "q_proj") -> (the wrapper of its (fused) layer, its shard id there)
         self.targets: dict[tuple[int, str], tuple[LoRALinear, str | int | None]] = {}
         self.wrappers: list[LoRALinear] = []
+        # (layer, checkpoint module) with no projection to adapt: a mixture-of-experts layer's MLP
+        self.unadaptable: set[tuple[int, str]] = set()
         self._wrap(model)
         # lora_int_id -> the adapter's weights per wrapper, least recently used first
         self.loaded: OrderedDict[int, dict[LoRALinear, LayerAdapter]] = OrderedDict()
@@ -55,6 +57,9 @@ class LoRAManager:
                 if path not in wrapped:
                     parent_path, _, child = path.rpartition(".")
                     parent = model.get_submodule(parent_path)
+                    if not hasattr(parent, child):  # experts and a router where a dense MLP would be
+                        self.unadaptable.add((layer, module))
+                        continue
                     wrapped[path] = LoRALinear(getattr(parent, child), self.config.max_loras)
                     setattr(parent, child, wrapped[path])
                 self.targets[(layer, module)] = (wrapped[path], shard_id)
@@ -72,6 +77,10 @@ class LoRAManager:
         adapter = load_adapter(request.lora_path, self.model_config, self.config.max_lora_rank)
         parts: dict[LoRALinear, dict] = {}
         for key, weights in adapter.weights.items():
+            if key in self.unadaptable:
+                raise LoRAAdapterError(f"LoRA adapter {request.lora_path!r} adapts layer {key[0]}'s {key[1]}, which "
+                                       "is a mixture-of-experts layer's: LoRA on experts is not supported (adapters "
+                                       "of the attention projections and of dense layers are)")
             if key not in self.targets:
                 continue  # a layer of another pipeline stage
             wrapper, shard_id = self.targets[key]
