@@ -263,6 +263,19 @@ def greedy_tokens(llm, prompts=PROMPTS, params=GREEDY) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+def draft_keeps_greedy(target: str, draft: str, prompts=PROMPTS, max_tokens: int = 16):
+    """Greedy tokens of `target` with `draft` proposing 3 tokens a step equal those without a draft; returns the
+    speculating engine's stats (spec_num_draft_tokens, spec_num_accepted_tokens, ...)."""
+    from qwenserve import LLM
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    plain = LLM(target, dtype="float32", kv_cache_memory="32MiB")
+    spec = LLM(target, dtype="float32", kv_cache_memory="32MiB", speculative_config={
+        "method": "draft_model", "model": draft, "num_speculative_tokens": 3, "disable_by_batch_size": None,
+        "min_acceptance_rate": 0})
+    assert greedy_tokens(spec, prompts, params) == greedy_tokens(plain, prompts, params)
+    return spec.engine.stats()
+
+
 def assert_hf_greedy(hf, prompts, outputs):
     """Each output token is HF's argmax given the tokens before it (a random tiny model has near-ties, so one
     within 1e-4 of the best counts: free-running greedy would then diverge on rounding alone)."""

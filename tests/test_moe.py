@@ -220,18 +220,12 @@ def test_speculative_decoding_and_structured_output_on_a_moe_model(tmp_path):
     """A dense Qwen3 draft for a Qwen3-MoE target keeps the target's greedy tokens; a JSON schema holds."""
     import json
 
-    from helpers import tiny_qwen3
+    from helpers import draft_keeps_greedy, tiny_qwen3
     target = save_hf_dir(tiny_moe("qwen3_moe", seed=5, norm_topk_prob=True), str(tmp_path / "target"))
     draft = save_hf_dir(tiny_qwen3(seed=6, num_hidden_layers=1), str(tmp_path / "draft"))
+    assert draft_keeps_greedy(target, draft, PROMPTS[:3])["spec_num_draft_tokens"] > 0
     prompts = [{"prompt_token_ids": p} for p in PROMPTS[:3]]
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     plain = LLM(target, dtype="float32", kv_cache_memory="32MiB")
-    spec = LLM(target, dtype="float32", kv_cache_memory="32MiB", speculative_config={
-        "method": "draft_model", "model": draft, "num_speculative_tokens": 3, "disable_by_batch_size": None,
-        "min_acceptance_rate": 0})
-    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
-    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)] == expected
-    assert spec.engine.stats()["spec_num_draft_tokens"] > 0
     schema = {"type": "object", "required": ["n"], "additionalProperties": False,
               "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}}}
     constrained = SamplingParams(temperature=1.0, max_tokens=40, seed=3, structured_outputs={"json": json.dumps(schema)})

@@ -12,7 +12,7 @@ from qwenserve.config.errors import ConfigError
 from qwenserve.config.model_config import ModelConfig
 from qwenserve.model.layers.decode_layers import FusedDecodeLayers, runs_every_part
 
-from helpers import PROMPTS, assert_hf_greedy, greedy_tokens, save_gguf, save_hf_dir, tiny_qwen3
+from helpers import PROMPTS, assert_hf_greedy, draft_keeps_greedy, greedy_tokens, save_gguf, save_hf_dir, tiny_qwen3
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
@@ -131,13 +131,5 @@ def test_speculative_decoding_with_itself_as_draft_accepts_every_token(qwen3):
     """A Qwen3 draft for a Qwen3 target (here the target itself): greedy output unchanged, every proposal accepted,
     which holds only if the draft's KV cache of q/k-normed, head_dim-wide heads is right."""
     _, path = qwen3
-    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    plain = LLM(path, dtype="float32", kv_cache_memory="32MiB")
-    spec = LLM(path, dtype="float32", kv_cache_memory="32MiB", speculative_config={
-        "method": "draft_model", "model": path, "num_speculative_tokens": 3, "disable_by_batch_size": None,
-        "min_acceptance_rate": 0})
-    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
-    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)] == expected
-    stats = spec.engine.stats()
+    stats = draft_keeps_greedy(path, path, max_tokens=24)
     assert stats["spec_num_draft_tokens"] > 0 and stats["spec_num_accepted_tokens"] == stats["spec_num_draft_tokens"]
