@@ -28,9 +28,11 @@ class Qwen3Attention(Qwen2Attention):
         qkv = self.qkv_proj(hidden, lora)
         t, d = qkv.shape[0], self.head_dim
         q_size, k_size = self.num_heads * d, self.num_kv_heads * d
-        q = self.q_norm(qkv[:, :q_size].reshape(t * self.num_heads, d))
-        k = self.k_norm(qkv[:, q_size:q_size + k_size].reshape(t * self.num_kv_heads, d))
-        return torch.cat([q.view(t, q_size), k.view(t, k_size), qkv[:, q_size + k_size:]], dim=1)
+        # normed in place: the projection's output is this step's own, and v stays where it is
+        qkv[:, :q_size] = self.q_norm(qkv[:, :q_size].reshape(t * self.num_heads, d)).view(t, q_size)
+        qkv[:, q_size:q_size + k_size] = self.k_norm(
+            qkv[:, q_size:q_size + k_size].reshape(t * self.num_kv_heads, d)).view(t, k_size)
+        return qkv
 
 
 class Qwen3DecoderLayer(Qwen2DecoderLayer):
