@@ -238,3 +238,26 @@ def test_a_forced_tool_call_after_the_reasoning(served, stream):
     assert len(calls) == 1 and call["name"] == "pick" and 0 <= json.loads(call["arguments"])["x"] <= 9
     from helpers import wait_idle_and_clean
     wait_idle_and_clean(engine)
+
+
+def test_several_choices_streamed_split_each_as_whole(served):
+    """n=2, streamed: each choice's reasoning and content, joined per index, equal the whole answer's split; the
+    reasoning holds text that looks like a cut tag and markup, which stays text."""
+    from scripted import scripted
+    url, _, engine = served
+    answer = "<think>a </thi b <b>x</b> </think\n</think>ok </think> done"
+    tokenizer = _served_tokenizer[0]
+    body = {"model": "qwen3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 80, "n": 2,
+            "temperature": 1.0, "seed": 4}
+    with scripted(tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]):
+        whole = client(url).chat.completions.create(**body).choices
+        joined = {0: ["", ""], 1: ["", ""]}
+        for chunk in client(url).chat.completions.create(stream=True, **body):
+            for choice in chunk.choices:
+                joined[choice.index][0] += getattr(choice.delta, "reasoning_content", None) or ""
+                joined[choice.index][1] += choice.delta.content or ""
+    expected = ("a </thi b <b>x</b> </think\n", "ok </think> done")
+    assert [(c.message.reasoning_content, c.message.content) for c in whole] == [expected] * 2
+    assert [tuple(joined[i]) for i in (0, 1)] == [expected] * 2
+    from helpers import wait_idle_and_clean
+    wait_idle_and_clean(engine)
