@@ -1,18 +1,32 @@
 """Qwen3 (dense) against HF transformers' own Qwen3ForCausalLM in float32: tiny random checkpoints made with
 transformers' Qwen3Config, tied and untied, with a head_dim other than hidden / heads (as the published 0.6B has);
-greedy tokens batched and one by one, with our CPU kernels and without; the same weights as a qwen3 GGUF; and the
-fused decode call, which runs the q/k norms and gives the layer modules' results to the bit."""
+greedy tokens batched and one by one, with our CPU kernels and without; the same weights as a qwen3 GGUF; the
+fused decode call, which runs the q/k norms and gives the layer modules' results to the bit; and what Qwen2 runs
+besides: int8 / int4 weights, int8 / fp8 KV caches, pipeline and data parallel, prefix caching, yarn."""
 import dataclasses
+import json
 
 import pytest
 import torch
 
 from qwenserve import LLM, SamplingParams
 from qwenserve.config.errors import ConfigError
-from qwenserve.config.model_config import ModelConfig
+from qwenserve.config.model_config import KV_CACHE_DTYPES, ModelConfig
 from qwenserve.model.layers.decode_layers import FusedDecodeLayers, runs_every_part
+from qwenserve.model.loader.model_loader import LoadedModel
+from qwenserve.worker.model_runner import full_logits
 
-from helpers import PROMPTS, assert_hf_greedy, draft_keeps_greedy, greedy_tokens, save_gguf, save_hf_dir, tiny_qwen3
+from helpers import (
+    PROMPTS,
+    assert_hf_greedy,
+    dense_route_from,
+    draft_keeps_greedy,
+    greedy_tokens,
+    save_gguf,
+    save_hf_dir,
+    tiny_qwen3,
+)
+from test_engine import GREEDY as ENGINE_GREEDY, assert_no_leak, prompts, run
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
@@ -133,3 +147,131 @@ def test_speculative_decoding_with_itself_as_draft_accepts_every_token(qwen3):
     _, path = qwen3
     stats = draft_keeps_greedy(path, path, max_tokens=24)
     assert stats["spec_num_draft_tokens"] > 0 and stats["spec_num_accepted_tokens"] == stats["spec_num_draft_tokens"]
+
+
+# ---- what else Qwen2 runs: int8 / int4 weights, quantized KV caches, pipeline and data parallel, prefix caching,
+# yarn rope scaling ----------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+def qwen3_wide(request, tmp_path_factory):
+    """Every projection's inputs a multiple of int4's group of 128 (hidden 128, o_proj 4 x 128), with the published
+    sizes' head_dim of 128 against hidden / heads of 32."""
+    hf = tiny_qwen3(seed=13, tie_word_embeddings=request.param, hidden_size=128, intermediate_size=256, head_dim=128)
+    return hf, save_hf_dir(hf, str(tmp_path_factory.mktemp("qwen3wide")))
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_int_quantization_rounds_the_projections_and_keeps_the_qk_norms_float(ops, qwen3_wide, method):
+    """The projections become blocks, the q/k norms stay float32 parameters equal to HF's; the logits are those
+    of the dense model on the rounded weights (as Qwen2's), and the engine's greedy tokens too."""
+    hf, path = qwen3_wide
+    quantized = LLM(path, dtype="float32", quantization=method, kv_cache_memory="8MiB")
+    rounded = LLM(path, dtype="float32", kv_cache_memory="8MiB")
+    model, dense = (llm.engine.executor.worker.model for llm in (quantized, rounded))
+    blocks = {name: m.segments[0][1] for name, m in model.named_modules() if getattr(m, "segments", None)}
+    assert {n.split(".", 3)[-1] for n in blocks if n.startswith("model.layers.")} == \
+        {"self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"}
+    for i, layer in enumerate(model.model.layers):
+        for norm in ("q_norm", "k_norm"):
+            weight = getattr(layer.self_attn, norm).weight
+            assert weight.dtype == torch.float32 and not hasattr(getattr(layer.self_attn, norm), "segments")
+            assert torch.equal(weight, getattr(hf.model.layers[i].self_attn, norm).weight)
+    params = dict(dense.named_parameters())
+    with torch.no_grad():
+        for name, tensor in blocks.items():
+            params[f"{name}.weight"].copy_(tensor.dequantize())
+    many = list(range(3, 3 + dense_route_from(model) + 6))  # prefill-sized: the blocks run dense
+    torch.testing.assert_close(full_logits(model, many), full_logits(dense, many), atol=1e-4, rtol=1e-4)
+    few = list(range(9, 41))  # decode-sized: int8 dot products on activations quantized per block of 32
+    got, want = full_logits(model, few), full_logits(dense, few)
+    assert (got - want).norm() < 0.05 * want.norm()
+    assert greedy_tokens(quantized, params=GREEDY) == greedy_tokens(rounded, params=GREEDY)
+
+
+@pytest.mark.parametrize("kv_cache_dtype,tol", [("int8", 0.1), ("fp8_e4m3", 0.25)])
+def test_quantized_kv_cache_keeps_the_float_caches_choices(ops, qwen3_wide, kv_cache_dtype, tol):
+    """Heads of 128 in an int8 / fp8 cache. Each greedy token, given the tokens before it, is the float model's
+    best within tol, and its log-probability the float model's within tol (Qwen2's gap, measured at every step:
+    a tiny random model's near-ties make the share of equal tokens a matter of its seed)."""
+    _, path = qwen3_wide
+    llm = LLM(path, dtype="float32", kv_cache_memory="4MiB", kv_cache_dtype=kv_cache_dtype)
+    assert llm.engine.executor.worker.kv_cache.k[0].shape[-1] == 128
+    assert llm.engine.executor.worker.kv_cache.k[0].dtype == getattr(torch, KV_CACHE_DTYPES[kv_cache_dtype])
+    float_model = LoadedModel(path, dtype="float32").model
+    ps = prompts([5, 40, 90, 17], seed=5)
+    for prompt, out in zip(ps, run(llm, ps, max_tokens=30, logprobs=1, **ENGINE_GREEDY)):
+        out = out.outputs[0]
+        assert len(out.token_ids) == 30
+        expected = torch.log_softmax(full_logits(float_model, prompt + list(out.token_ids[:-1]))[len(prompt) - 1:]
+                                     .double(), -1)
+        for step, token in enumerate(out.token_ids):
+            assert float(expected[step].max() - expected[step, token]) < tol, (prompt, step)
+            assert abs(out.logprobs[step][token].logprob - float(expected[step, token])) < tol, (prompt, step)
+    assert_no_leak(llm)
+
+
+@pytest.mark.multiproc
+def test_pipeline_parallel_gives_one_stages_tokens(qwen3):
+    """Two stages of one layer each; a tied head on the last stage loads its own copy of the embedding."""
+    hf, path = qwen3
+    expected = greedy_tokens(LLM(path, dtype="float32", kv_cache_memory="32MiB"), params=GREEDY)
+    assert_hf_greedy(hf, PROMPTS, expected)
+    llm = LLM(path, dtype="float32", kv_cache_memory="32MiB", pipeline_parallel_size=2)
+    try:
+        assert llm.engine.executor.max_concurrent_batches == 2
+        assert greedy_tokens(llm, params=GREEDY) == expected
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.multiproc
+def test_data_parallel_gives_one_replicas_tokens(qwen3):
+    _, path = qwen3
+    expected = greedy_tokens(LLM(path, dtype="float32", kv_cache_memory="32MiB"), params=GREEDY)
+    llm = LLM(path, dtype="float32", kv_cache_memory="32MiB", data_parallel_size=2)
+    try:
+        assert len(llm.engine.replicas) == 2
+        assert greedy_tokens(llm, params=GREEDY) == expected
+    finally:
+        llm.engine.shutdown()
+
+
+def test_prefix_caching_reuses_the_blocks_without_changing_the_tokens(qwen3):
+    """A second request on the same 40-token prefix finds its two whole blocks of 16 in the cache and decodes what
+    an engine without the cache decodes."""
+    _, path = qwen3
+    shared = prompts([40], vocab=320, seed=3)[0]
+    ps = [shared + tail for tail in prompts([7, 3], vocab=320, seed=4)]
+    llm = LLM(path, dtype="float32", kv_cache_memory="8MiB")
+    first, second = (run(llm, [p], max_tokens=10, **ENGINE_GREEDY)[0] for p in ps)
+    assert (first.num_cached_tokens, second.num_cached_tokens) == (0, 32)
+    plain = run(LLM(path, dtype="float32", kv_cache_memory="8MiB", enable_prefix_caching=False), ps, max_tokens=10,
+                **ENGINE_GREEDY)
+    assert [first.outputs[0].token_ids, second.outputs[0].token_ids] == [o.outputs[0].token_ids for o in plain]
+    assert all(o.num_cached_tokens == 0 for o in plain)
+    assert_no_leak(llm)
+
+
+def test_yarn_rope_scaling_equals_hf(tmp_path):
+    """yarn (factor 4 over 32 original positions), written either way config.json has it: the logits over 40
+    positions equal HF's, and so do the greedy tokens decoded from position 24 to 48."""
+    hf = tiny_qwen3(seed=14, max_position_embeddings=128, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32})
+    path = save_hf_dir(hf, str(tmp_path / "yarn"))
+    llm = LLM(path, dtype="float32", kv_cache_memory="8MiB")
+    assert llm.engine.resolved_model.config.rope_scaling["rope_type"] == "yarn"
+    ids = prompts([40], vocab=320, seed=1)[0]
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(full_logits(llm.engine.executor.worker.model, ids), expected, atol=2e-5, rtol=1e-4)
+    assert_hf_greedy(hf, [ids[:24]], greedy_tokens(llm, [ids[:24]], SamplingParams(temperature=0, max_tokens=24,
+                                                                                      ignore_eos=True)))
+    # the form Qwen3's model card has users add to config.json (transformers 4: rope_theta and rope_scaling)
+    with open(f"{path}/config.json") as f:
+        config = json.load(f)
+    config["rope_theta"] = config.pop("rope_parameters")["rope_theta"]
+    config["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    with open(f"{path}/config.json", "w") as f:
+        json.dump(config, f)
+    legacy = LLM(path, dtype="float32", kv_cache_memory="8MiB").engine.executor.worker.model
+    torch.testing.assert_close(full_logits(legacy, ids), expected, atol=2e-5, rtol=1e-4)
