@@ -3,17 +3,23 @@ written with transformers' own Qwen2MoeConfig and Qwen3MoeConfig (shared expert 
 ways, dense layers between sparse ones by mlp_only_layers and decoder_sparse_step); greedy tokens batched and one
 by one, logits within float32 rounding; the experts' grouping against a plain per-token reference; tensor
 parallelism at 2 against one process; config fields checked with errors that name them. The same checkpoints as
-llama.cpp GGUF files (qwen2moe, qwen3moe; helpers.save_gguf): F32 gives HF's greedy tokens, Q8_0 with the linear
-layers' blocks kept equals the same file dequantized at load."""
+llama.cpp GGUF files (qwen2moe, qwen3moe; helpers.save_gguf): F32 gives HF's greedy tokens, Q8_0 with the blocks
+kept (the experts' too, as blocks only) equals the same file dequantized at load; tensor parallelism at 2 on the
+blocks. The ggml_moe kernel (the experts on their blocks) against the same quantization composed from ggml_mm
+and against the dense math on the dequantized experts, for several block types, loads and dtypes."""
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from qwenserve import LLM, SamplingParams
 from qwenserve.config.errors import ConfigError
 from qwenserve.config.model_config import ModelConfig
 from qwenserve.model.layers.moe import FusedExperts, TopKRouter
+from qwenserve.model.loader.ggml_tensor import DECODE_GROUP, GGMLTensor
 from qwenserve.model.models.qwen2_moe import MoEConfig
 
 from helpers import (PROMPTS, assert_hf_greedy, greedy_tokens, randomize, save_gguf, save_hf_dir,
@@ -151,15 +157,31 @@ def test_gguf_f32_greedy_equals_hf(moe, tmp_path):
                                                           or 0)
 
 
+def _expert_layers(model) -> list:
+    return [layer.mlp.experts for layer in model.model.own_layers if type(layer.mlp).__name__ == "SparseMoeBlock"]
+
+
+def _assert_experts_are_blocks(model) -> None:
+    """Every sparse layer's experts are uint8 blocks for ggml_moe; no float expert weight exists."""
+    for experts in _expert_layers(model):
+        blocks = experts.blocks
+        assert blocks is not None and experts.w13 is None and experts.w2 is None
+        assert all(t.dtype == torch.uint8 and t.dim() == 3 for t in (blocks.gate, blocks.down))
+        assert all(p.numel() == 0 for p in experts.parameters())
+        assert not any(b.is_floating_point() for b in experts.buffers())
+
+
 def test_gguf_q8_0_blocks_equal_dequantized_at_load(moe, tmp_path):
-    """Q8_0 experts and layers: the linear layers' blocks kept (experts dequantized at load either way) give the
+    """Q8_0 experts and layers: the blocks kept (the linear layers' by ggml_mm, the experts' by ggml_moe) give the
     logits of the file dequantized at load, and the tokens; both near HF's (quantization noise only)."""
     from qwenserve.model.loader.model_loader import LoadedModel
     from qwenserve.worker.model_runner import full_logits
     hf, _ = moe
     path = save_gguf(hf, str(tmp_path / "moe-q8_0.gguf"), quant="Q8_0")
     dequantized = full_logits(LoadedModel(path, dtype="float32", quantization="none").model, PROMPTS[3])
-    blocks = full_logits(LoadedModel(path, dtype="float32", quantization="gguf").model, PROMPTS[3])
+    kept = LoadedModel(path, dtype="float32", quantization="gguf").model
+    _assert_experts_are_blocks(kept)
+    blocks = full_logits(kept, PROMPTS[3])
     torch.testing.assert_close(blocks, dequantized, atol=2e-3, rtol=0)
     with torch.no_grad():
         expected = hf(torch.tensor([PROMPTS[3]])).logits[0]
@@ -167,6 +189,83 @@ def test_gguf_q8_0_blocks_equal_dequantized_at_load(moe, tmp_path):
     kept = greedy_tokens(LLM(path, dtype="float32", kv_cache_memory="32MiB", quantization="gguf"), params=GREEDY)
     assert kept == greedy_tokens(LLM(path, dtype="float32", kv_cache_memory="32MiB", quantization="none"),
                                  params=GREEDY)
+
+
+def test_gguf_mixed_expert_types_run_as_blocks(tmp_path):
+    """Q4_0 gate/up with Q5_0 down (one kernel call per projection type), and Q4_1 experts: the blocks kept give
+    the greedy tokens of the same file dequantized at load."""
+    hf = tiny_moe("qwen3_moe", seed=3, norm_topk_prob=True)
+    for name, overrides in [("mixed", {"experts.gate_up": "Q4_0", "experts.down": "Q5_0"}),
+                            ("q4_1", {"experts": "Q4_1"})]:
+        path = save_gguf(hf, str(tmp_path / f"{name}.gguf"), quant="Q8_0", overrides=overrides)
+        kept = LLM(path, dtype="float32", kv_cache_memory="32MiB", quantization="gguf")
+        _assert_experts_are_blocks(kept.engine.executor.worker.model)
+        assert greedy_tokens(kept, params=GREEDY) == greedy_tokens(
+            LLM(path, dtype="float32", kv_cache_memory="32MiB", quantization="none"), params=GREEDY), name
+
+
+@pytest.mark.multiproc
+def test_tensor_parallel_splits_every_expert_of_blocks(ops, tmp_path):
+    """Q8_0 experts at tp = 2: each rank keeps its rows of gate and up and its columns of down (on block
+    boundaries), as blocks. The logits equal one process's up to the order int8 block products are summed in,
+    which moves an activation's int8 code now and then, three layers on."""
+    from qwenserve.model.loader.model_loader import LoadedModel
+    from qwenserve.worker.model_runner import full_logits
+    hf = tiny_moe("qwen2_moe", seed=4, hidden_size=256, moe_intermediate_size=768, shared_expert_intermediate_size=64)
+    path = save_gguf(hf, str(tmp_path / "tp.gguf"), quant="Q8_0")
+    one = LoadedModel(path, dtype="float32", quantization="gguf").model
+    _assert_experts_are_blocks(one)
+    expected = full_logits(one, PROMPTS[3])
+    results = tensor_parallel_logits(path, 2, PROMPTS[3], "gguf")
+    for rank in range(2):
+        torch.testing.assert_close(torch.from_numpy(results[rank]), expected, atol=1e-3, rtol=1e-3)
+
+
+def test_expert_columns_split_inside_blocks_are_requantized_to_q8_0():
+    """A rank's down columns that split the experts' Q4_K 256-blocks (768 at 384) become Q8_0 of the same weights;
+    gate and up rows stay Q4_K, fused into one tensor; Q3_K (no kernel) experts become Q8_0. Each rank's stacked
+    blocks, back in the file's layout, decode to its slice of every expert."""
+    from qwenserve.distributed.tensor_parallel import TensorParallel
+    from qwenserve.model.layers.quantization.gguf_experts import ExpertBlockCollector
+    experts, hidden, inter = 3, 256, 768
+    gate, up = random_experts(Q.Q4_K, experts, inter, hidden, 1), random_experts(Q.Q4_K, experts, inter, hidden, 2)
+    down = random_experts(Q.Q4_K, experts, hidden, inter, 3)
+
+    def blocks(raw, qtype, e):
+        return GGMLTensor.from_bytes(raw[e], qtype, (raw.shape[1], raw.shape[2] // GGML_QUANT_SIZES[qtype][1]
+                                                      * GGML_QUANT_SIZES[qtype][0]))
+
+    def decoded(stacked, qtype, e, rows, cols):
+        return GGMLTensor(stacked[e].contiguous(), qtype, (rows, cols), DECODE_GROUP).dequantize()
+
+    for rank in range(2):
+        collector = ExpertBlockCollector(experts, hidden, inter // 2, TensorParallel(rank, 2))
+        for e in range(experts):
+            for part, raw in (("gate", gate), ("up", up), ("down", down)):
+                collector.load(part, e, blocks(raw, Q.Q4_K, e))
+        stacked = collector.stack()
+        assert (stacked.gate_type, stacked.down_type, stacked.up, stacked.group) == (int(Q.Q4_K), int(Q.Q8_0), None,
+                                                                                     DECODE_GROUP)
+        half = slice(rank * inter // 2, (rank + 1) * inter // 2)
+        for e in range(experts):
+            want_gate_up = torch.cat([blocks(gate, Q.Q4_K, e).dequantize()[half],
+                                      blocks(up, Q.Q4_K, e).dequantize()[half]])
+            assert torch.equal(decoded(stacked.gate, Q.Q4_K, e, inter, hidden), want_gate_up)
+            want_down = blocks(down, Q.Q4_K, e).dequantize()[:, half]
+            got_down = decoded(stacked.down, Q.Q8_0, e, hidden, inter // 2)
+            assert (got_down - want_down).abs().max() <= want_down.abs().max() / 127
+    collector = ExpertBlockCollector(1, hidden, hidden, TensorParallel())
+    q3 = GGMLTensor.from_bytes(torch.from_numpy(np.random.default_rng(5).integers(
+        0, 256, size=(hidden, hidden // 256 * GGML_QUANT_SIZES[Q.Q3_K][1]), dtype=np.uint8)), Q.Q3_K, (hidden, hidden))
+    q3 = GGMLTensor(q3.raw.clone(), Q.Q3_K, q3.shape)
+    q3.raw.view(hidden, -1, GGML_QUANT_SIZES[Q.Q3_K][1])[..., -2:] = torch.tensor([0x00, 0x1c], dtype=torch.uint8)
+    for part in ("gate", "up", "down"):
+        collector.load(part, 0, q3)
+    stacked = collector.stack()
+    assert (stacked.gate_type, stacked.down_type) == (int(Q.Q8_0), int(Q.Q8_0))
+    want = q3.dequantize()
+    got = decoded(stacked.down, Q.Q8_0, 0, hidden, hidden)
+    assert (got - want).abs().max() <= want.abs().max() / 127
 
 
 def test_gguf_moe_metadata_is_checked(tmp_path):
@@ -232,3 +331,165 @@ def test_speculative_decoding_and_structured_output_on_a_moe_model(tmp_path):
     for out in plain.generate(prompts, constrained, use_tqdm=False):
         value = json.loads(out.outputs[0].text)
         assert set(value) == {"n"} and 0 <= value["n"] <= 99
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ggml_moe, the experts on their blocks
+
+Q = GGMLQuantizationType
+# where each block format keeps its fp16 scale(s): random bytes there could be inf/nan
+_SCALE_OFFSETS = {Q.Q8_0: [0], Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208]}
+
+
+def random_experts(qtype, experts: int, rows: int, cols: int, seed: int, scale: float = 0.02) -> torch.Tensor:
+    """uint8 [experts, rows, row_bytes] of random ggml blocks whose fp16 scales are finite (uniform in +-scale)."""
+    block_elems, block_bytes = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(experts * rows * cols // block_elems, block_bytes), dtype=np.uint8)
+    for off in _SCALE_OFFSETS[qtype]:
+        blocks[:, off:off + 2] = rng.uniform(-scale, scale, size=(len(blocks), 1)).astype(np.float16).view(np.uint8)
+    return torch.from_numpy(blocks.reshape(experts, rows, cols // block_elems * block_bytes))
+
+
+def in_decode_layout(raw: torch.Tensor, qtype, cols: int) -> torch.Tensor:
+    """Each expert's rows regrouped by 8, as the layer stacks them."""
+    return torch.stack([GGMLTensor.from_bytes(r, qtype, (r.shape[0], cols)).grouped().raw for r in raw])
+
+
+def moe_loads(tokens: int, k: int, experts: int, seed: int) -> torch.Tensor:
+    """ids [tokens, k]: expert 0 in most tokens (the busiest), the rest distinct random experts; with few tokens
+    most experts get none."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
+    busy = torch.rand(tokens, generator=g) < 0.75
+    for t in range(tokens):
+        if busy[t] and 0 not in ids[t]:
+            ids[t, 0] = 0
+    return ids
+
+
+def moe_composed(ops, x, ids, weights, gate, up, down, types, hidden, inter, levels, group):
+    """The experts' sum from ggml_mm calls in float32 on the same layout (the same quantization of x and of h, the
+    same kernels, expert by expert)."""
+    out = torch.zeros(x.shape[0], hidden)
+    xf = x.float()
+    for e in ids.unique().tolist():
+        tokens, slots = (ids == e).nonzero(as_tuple=True)
+        rows = xf[tokens].contiguous()
+        g, u, y = torch.empty(len(rows), inter), torch.empty(len(rows), inter), torch.empty(len(rows), hidden)
+        ops.ggml_mm(g, rows, gate[e], int(types[0]), group, None, levels)
+        ops.ggml_mm(u, rows, up[e], int(types[1]), group, None, levels)
+        ops.ggml_mm(y, (F.silu(g) * u).contiguous(), down[e], int(types[2]), group, None, levels)
+        out.index_add_(0, tokens, y * weights[tokens, slots, None])
+    return out
+
+
+def moe_dense(ops, x, ids, weights, gate, up, down, types, hidden, inter):
+    """The dense math on the experts dequantized by ggml_dequantize, in float64."""
+    out = torch.zeros(x.shape[0], hidden, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for slot, e in enumerate(ids[t].tolist()):
+            w_gate, w_up, w_down = (ops.ggml_dequantize(raw[e], int(q), cols, torch.float32).double()
+                                    for raw, q, cols in ((gate, types[0], hidden), (up, types[1], hidden),
+                                                         (down, types[2], inter)))
+            xt = x[t].double()
+            out[t] += weights[t, slot] * (w_down @ (F.silu(w_gate @ xt) * (w_up @ xt)))
+    return out
+
+
+MOE_CASES = {  # gate, up and down types
+    "Q4_K": (Q.Q4_K,) * 3, "Q6_K": (Q.Q6_K,) * 3, "Q8_0": (Q.Q8_0,) * 3, "Q5_0": (Q.Q5_0,) * 3,
+    "Q4_0": (Q.Q4_0,) * 3,
+    # gate and up of different types, and of different activation blocks (q8_0, q8_K); down of a third
+    "Q8_0-Q4_K-Q6_K": (Q.Q8_0, Q.Q4_K, Q.Q6_K),
+}
+
+
+MOE_LOADS = [(1, 1), (1, 4), (3, 2), (40, 1), (40, 4), (3, 4)]  # (tokens, k)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", sorted(MOE_CASES))
+def test_ggml_moe_equals_the_experts_composed_and_dense(ops, case, dtype):
+    """Tokens 1, 3 and 40 with k of 1, 2 and 4 (repeated experts across tokens, one expert in most tokens, experts
+    with none), rows grouped by 1 and by 8, one and two activation codes; gate and up fused into one tensor where
+    their types match, and passed apart."""
+    check_ggml_moe(ops, case, dtype, MOE_LOADS)
+
+
+@pytest.mark.kernels
+def test_ggml_moe_on_the_portable_variant(ops):
+    """The same on the baseline variant (x86_64: the scalar reference, no arch/ kernels; built on demand where no
+    prebuilt library matches the sources)."""
+    from qwenserve import kernels
+    from qwenserve.config.cpu_variants import machine_arch, variants_for
+    variants = variants_for(machine_arch())
+    if not variants:
+        pytest.skip(f"no kernel variants for {machine_arch()}")
+    baseline = kernels.variant_ops(variants[0])
+    for case in ("Q4_K", "Q5_0", "Q8_0-Q4_K-Q6_K"):
+        check_ggml_moe(baseline, case, torch.float32, [(1, 4), (40, 4)])
+    check_ggml_moe(baseline, "Q6_K", torch.bfloat16, [(3, 2)])
+
+
+def check_ggml_moe(ops, case: str, dtype: torch.dtype, loads: list[tuple[int, int]]) -> None:
+    types = MOE_CASES[case]
+    experts, hidden, inter = 6, 256, 256
+    gate = random_experts(types[0], experts, inter, hidden, seed=1)
+    up = random_experts(types[1], experts, inter, hidden, seed=2)
+    down = random_experts(types[2], experts, hidden, inter, seed=3)
+    grouped = [in_decode_layout(raw, q, cols) for raw, q, cols in ((gate, types[0], hidden), (up, types[1], hidden),
+                                                                   (down, types[2], inter))]
+    for tokens, k in loads:
+        g = torch.Generator().manual_seed(tokens * 10 + k)
+        x = (torch.randn(tokens, hidden, generator=g) * 2).to(dtype)
+        ids = moe_loads(tokens, k, experts, seed=tokens + k)
+        weights = torch.rand(tokens, k, generator=g)
+        dense = moe_dense(ops, x, ids, weights, gate, up, down, types, hidden, inter)
+        for levels in (1, 2):
+            for group, (g_raw, u_raw, d_raw) in ((1, (gate, up, down)), (DECODE_GROUP, grouped)):
+                composed = moe_composed(ops, x, ids, weights, g_raw, u_raw, d_raw, types, hidden, inter, levels,
+                                        group)
+                calls = [(g_raw, u_raw)]
+                if types[0] == types[1]:
+                    calls.append((torch.cat([g_raw, u_raw], dim=1), None))
+                for first, second in calls:
+                    got = ops.ggml_moe(x, ids, weights, first, int(types[0]), second, int(types[1]), d_raw,
+                                       int(types[2]), group, levels)
+                    where = (case, tokens, k, levels, group, second is None)
+                    assert got.dtype == dtype and got.shape == (tokens, hidden), where
+                    rounding = 1e-5 if dtype == torch.float32 else 2.0 ** -8
+                    torch.testing.assert_close(got.float(), composed.to(dtype).float(), atol=rounding * 4 *
+                                               composed.abs().max().item(), rtol=rounding * 2, msg=str(where))
+                    # the layer itself: off the dense math by the int8 rounding of x and of h (heavy-tailed, a product
+                    # of two projections: its blocks' steps are coarse next to most of its values), far less with
+                    # two codes each
+                    assert (got.double() - dense).norm() <= (0.05 if levels == 1 else 0.005) * dense.norm(), where
+
+
+def test_ggml_moe_rejects_bad_arguments(ops):
+    """An expert id out of range, and shapes or types that do not fit, are errors that say so (no crash)."""
+    gate = random_experts(Q.Q8_0, 4, 32, 64, seed=1)
+    down = random_experts(Q.Q8_0, 4, 64, 32, seed=2)
+    x, weights = torch.randn(2, 64), torch.rand(2, 2)
+    q8 = int(Q.Q8_0)
+    for bad in (4, -1, 1000):
+        ids = torch.tensor([[0, 1], [bad, 2]])
+        with pytest.raises(RuntimeError, match=f"expert id {bad} \\(token 1, slot 0\\) is out of range: the layer "
+                                               "has 4 experts"):
+            ops.ggml_moe(x, ids, weights, gate, q8, gate, q8, down, q8, 1, 1)
+    ids = torch.tensor([[0, 1], [2, 3]])
+    with pytest.raises(RuntimeError, match="ids must be a contiguous int64"):
+        ops.ggml_moe(x, ids.int(), weights, gate, q8, gate, q8, down, q8, 1, 1)
+    with pytest.raises(RuntimeError, match="weights must be a contiguous float32"):
+        ops.ggml_moe(x, ids, weights.double(), gate, q8, gate, q8, down, q8, 1, 1)
+    with pytest.raises(RuntimeError, match="down has 32 rows per expert, x 64 columns"):
+        ops.ggml_moe(x, ids, weights, gate, q8, gate, q8, random_experts(Q.Q8_0, 4, 32, 32, seed=3), q8, 1, 1)
+    with pytest.raises(RuntimeError, match="up holds 3 experts, gate holds 4"):
+        ops.ggml_moe(x, ids, weights, gate, q8, gate[:3].contiguous(), q8, down, q8, 1, 1)
+    with pytest.raises(RuntimeError, match="has rows of 34 bytes; 32 weights take 18"):
+        ops.ggml_moe(x, ids, weights, gate, q8, gate, q8, down, int(Q.Q4_0), 1, 1)
+    with pytest.raises(RuntimeError, match="act_levels must be 1 or 2, not 3"):
+        ops.ggml_moe(x, ids, weights, gate, q8, gate, q8, down, q8, 1, 3)
+    with pytest.raises(RuntimeError, match="not supported"):
+        ops.ggml_moe(x, ids, weights, gate, int(Q.Q2_K), gate, q8, down, q8, 1, 1)

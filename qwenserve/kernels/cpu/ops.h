@@ -1,8 +1,9 @@
 // The op entry points, one definition each in the op family's source file (norm.cpp, rotary.cpp,
-// activation.cpp, attention.cpp, prefill_attention.cpp, sampling.cpp, lora.cpp, ggml/dispatch.cpp), declared here so
-// register.cpp can bind them to the schemas of the variant's torch.ops namespace in one place. Each checks its
-// arguments and dispatches on the dtype (float32, float64, bfloat16, float16; the ggml ops: float32, bfloat16, float16;
-// prefill_attention: bf16 only); the shapes each expects are documented at its definition.
+// activation.cpp, attention.cpp, prefill_attention.cpp, sampling.cpp, lora.cpp, ggml/dispatch.cpp,
+// ggml/experts.cpp), declared here so register.cpp can bind them to the schemas of the variant's torch.ops namespace
+// in one place. Each checks its arguments and dispatches on the dtype (float32, float64, bfloat16, float16; the ggml
+// ops: float32, bfloat16, float16; prefill_attention: bf16 only); the shapes each expects are documented at its
+// definition.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -43,5 +44,10 @@ bool ggml_amx_tiles();
 // keeps both off
 bool ggml_amx_bf16_tiles();
 void ggml_allow_amx(bool allow);
+// ggml/experts.cpp: a mixture-of-experts layer's chosen experts on their blocks, activations quantized as ggml_mm's;
+// up None: gate holds each expert's gate then up rows
+at::Tensor ggml_moe(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights, const at::Tensor& gate,
+                    int64_t gate_type, const std::optional<at::Tensor>& up, int64_t up_type, const at::Tensor& down,
+                    int64_t down_type, int64_t group, int64_t act_levels);
 
 }  // namespace qwenserve::cpu

@@ -36,6 +36,8 @@ QS_TORCH_LIBRARY(QS_OPS_NAMESPACE, m) {
   m.def("ggml_amx_tiles() -> bool", &qwenserve::cpu::ggml_amx_tiles);
   m.def("ggml_amx_bf16_tiles() -> bool", &qwenserve::cpu::ggml_amx_bf16_tiles);
   m.def("ggml_allow_amx(bool allow) -> ()", &qwenserve::cpu::ggml_allow_amx);
+  m.def("ggml_moe(Tensor x, Tensor ids, Tensor weights, Tensor gate, int gate_type, Tensor? up, int up_type, "
+        "Tensor down, int down_type, int group=1, int act_levels=1) -> Tensor");
   using qwenserve::cpu::DecodeLayers;
   m.class_<DecodeLayers>("DecodeLayers")
       .def(torch::init<int64_t, int64_t, int64_t, double, double, int64_t, at::Tensor>())
@@ -57,4 +59,5 @@ QS_TORCH_LIBRARY_IMPL(QS_OPS_NAMESPACE, CPU, m) {
   m.impl("prefill_attention", &qwenserve::cpu::prefill_attention);
   m.impl("ggml_dequantize", &qwenserve::cpu::ggml_dequantize);
   m.impl("ggml_mm", &qwenserve::cpu::ggml_mm);
+  m.impl("ggml_moe", &qwenserve::cpu::ggml_moe);
 }

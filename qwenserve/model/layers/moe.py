@@ -1,12 +1,15 @@
 """A mixture-of-experts MLP (Qwen2-MoE, Qwen3-MoE): a router picks each token's top-k experts, each expert is a
 SiLU-gated MLP, and a token's output is its experts' outputs weighted by the router's probabilities.
 
-The experts are held stacked, [experts, 2 * intermediate, hidden] and [experts, hidden, intermediate] in the run
-dtype, and each expert's slice is also a parameter named as checkpoints name it (experts.E.gate_up_proj.weight,
+The experts are held one of two ways. Dense (HF checkpoints, and GGUF files where our CPU kernels do not run or
+whose experts are float): stacked, [experts, 2 * intermediate, hidden] and [experts, hidden, intermediate] in the
+run dtype, each expert's slice also a parameter named as checkpoints name it (experts.E.gate_up_proj.weight,
 experts.E.down_proj.weight, after the loader's gate/up fusion), so the loader fills them as it fills any fused
-projection. Under tensor parallelism each rank holds its slice of every expert's intermediate dimension (vLLM's
-default); the partial outputs are summed with one all-reduce. The tokens are grouped by expert and only the chosen
-experts run, in PyTorch."""
+projection; the tokens are grouped by expert and only the chosen experts run, in PyTorch. As blocks (a GGUF file
+under the `gguf` quantization, where the kernels run): each expert's parameters are placeholders whose loaders
+keep the file's blocks, stacked per projection once loaded, and one ggml_moe call runs the chosen experts on them
+(quantization/gguf_experts.py). Under tensor parallelism each rank holds its slice of every expert's intermediate
+dimension (vLLM's default); the partial outputs are summed with one all-reduce."""
 from __future__ import annotations
 
 import torch
@@ -14,7 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from qwenserve.config.errors import ConfigError
+from qwenserve.config.tuning import this_cpu_tuning
 from qwenserve.distributed.tensor_parallel import TensorParallel
+from qwenserve.model.layers.quantization.ggml_blocks import activation_levels
+from qwenserve.model.layers.quantization.gguf_experts import ExpertBlockCollector, expert_kernels
 
 
 class TopKRouter(nn.Module):
@@ -63,24 +69,80 @@ class _Expert(nn.Module):
         self.down_proj = _ExpertProjection(w2, tp, fused_gate_up=False)
 
 
+class _ExpertBlocksProjection(nn.Module):
+    """One expert's gate_up_proj or down_proj while the layer keeps blocks: a placeholder parameter whose loader
+    hands the checkpoint tensor (blocks or floats) to the layer's collector."""
+
+    def __init__(self, collector: ExpertBlockCollector, expert: int, fused_gate_up: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.weight.takes_ggml_blocks = True
+        self.collector, self.expert, self.fused_gate_up = collector, expert, fused_gate_up
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        part = ("gate", "up")[shard_id] if self.fused_gate_up else "down"
+        self.collector.load(part, self.expert, loaded)
+
+
+class _ExpertOfBlocks(nn.Module):
+    def __init__(self, collector: ExpertBlockCollector, expert: int):
+        super().__init__()
+        self.gate_up_proj = _ExpertBlocksProjection(collector, expert, fused_gate_up=True)
+        self.down_proj = _ExpertBlocksProjection(collector, expert, fused_gate_up=False)
+
+
 class FusedExperts(nn.Module):
     """The experts of one layer; children "0", "1", ... are the experts as the checkpoint names them."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TensorParallel):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TensorParallel,
+                 linear_method=None):
+        """linear_method: the decoder layers' (None: dense); the GGUF method keeps the experts' blocks where the
+        kernels run (module docstring)."""
         super().__init__()
         if intermediate_size % tp.size:
             raise ConfigError(f"config field moe_intermediate_size ({intermediate_size}) is not divisible by "
                               f"tensor_parallel_size {tp.size}")
         inter = intermediate_size // tp.size
+        self.tp = tp
+        self.blocks = None  # the stacked blocks ggml_moe runs, once loaded
+        self.ops = expert_kernels(linear_method, torch.empty(0).device)  # where the model is being built
+        self.collector = None
+        if self.ops is not None:
+            self.collector = ExpertBlockCollector(num_experts, hidden_size, inter, tp)
+            self.act_levels = activation_levels(torch.get_default_dtype(), this_cpu_tuning())
+            self.register_buffer("w13", None, persistent=False)  # made only where the file's experts are float
+            self.register_buffer("w2", None, persistent=False)
+            for e in range(num_experts):
+                self.add_module(str(e), _ExpertOfBlocks(self.collector, e))
+            return
         self.register_buffer("w13", torch.empty(num_experts, 2 * inter, hidden_size), persistent=False)
         self.register_buffer("w2", torch.empty(num_experts, hidden_size, inter), persistent=False)
         for e in range(num_experts):
             self.add_module(str(e), _Expert(self.w13[e], self.w2[e], tp))
-        self.tp = tp
+
+    def process_weights_after_loading(self) -> None:
+        """Stack the collected blocks for ggml_moe, or (experts float in the file) fill the dense weights."""
+        collector, self.collector = self.collector, None
+        if collector is None:
+            return
+        if not collector.float_in_file():
+            self.blocks = collector.stack()
+            return
+        experts, inter, dtype = collector.num_experts, collector.inter, torch.get_default_dtype()
+        self.w13 = torch.empty(experts, 2 * inter, collector.hidden, dtype=dtype)
+        self.w2 = torch.empty(experts, collector.hidden, inter, dtype=dtype)
+        for e in range(experts):
+            self.w13[e, :inter] = collector.dense("gate", e, dtype)
+            self.w13[e, inter:] = collector.dense("up", e, dtype)
+            self.w2[e] = collector.dense("down", e, dtype)
+        collector.loaded.clear()
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, hidden], the router's weights and expert ids [T, k] -> the weighted sum of the chosen experts'
         outputs [T, hidden], summed over the tensor-parallel ranks."""
+        if self.blocks is not None:
+            return self.tp.all_reduce(self.blocks.run(self.ops, x, weights, ids, self.act_levels))
         out = torch.zeros_like(x)
         flat = ids.flatten()
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert

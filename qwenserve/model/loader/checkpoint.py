@@ -220,9 +220,10 @@ def config_from_gguf(md: dict, tensor_names: frozenset[str] = frozenset()) -> Mo
 
 class GGUFCheckpoint(Checkpoint):
     """A llama.cpp GGUF file. A 3-D tensor of a layer's experts ([experts, rows, row length], e.g.
-    blk.N.ffn_gate_exps) comes out as one tensor per expert, each dequantized from its own bytes: experts run dense
-    in the run dtype whatever the quantization keeps of the other layers' blocks (no kernel runs experts' blocks
-    yet)."""
+    blk.N.ffn_gate_exps) comes out as one tensor per expert, each from its own bytes: where the quantization keeps
+    blocks at all (keep_types), a quantized expert comes as its blocks (a view of the file), whatever its type, and
+    the experts' layer keeps them or re-quantizes them to a type the kernel runs (quantization/gguf_experts.py);
+    otherwise, and for float experts, each is dequantized alone."""
     format = "gguf"
 
     def __init__(self, path: str, model_id: str | None = None, config: ModelConfig | None = None,
@@ -248,15 +249,10 @@ class GGUFCheckpoint(Checkpoint):
         return (self.path,)
 
     def weights(self, keep_types: frozenset = frozenset()):
-        experts_logged = False
         for info in self.file.tensors.values():
             name, raw = gguf_to_hf_name(info.name, self.layer_names), self.file.raw(info.name)
             if EXPERT_INDEX in name:
-                if keep_types and not experts_logged and info.ggml_type not in _FLOAT_TYPES:
-                    logger.info("experts' tensors (%s, ...) are dequantized at load: experts run dense",
-                                info.name)
-                    experts_logged = True
-                yield from self._experts(info, name, raw)
+                yield from self._experts(info, name, raw, blocks=bool(keep_types))
                 continue
             if info.ggml_type in keep_types and len(info.shape) == 2:
                 yield name, GGMLTensor.from_bytes(torch.from_numpy(raw), info.ggml_type, info.shape)
@@ -267,16 +263,20 @@ class GGUFCheckpoint(Checkpoint):
             yield name, dequantize(raw, info.ggml_type, info.shape)
 
     @staticmethod
-    def _experts(info, name: str, raw) -> Iterator[tuple[str, torch.Tensor]]:
+    def _experts(info, name: str, raw, blocks: bool) -> Iterator[tuple[str, torch.Tensor | GGMLTensor]]:
         """(HF name of expert e, its [rows, row length] weight) for each expert of a stacked 3-D tensor; its bytes
-        are the experts' one after another, so each dequantizes alone (memory: one expert at a time)."""
+        are the experts' one after another, so each comes alone (memory: one expert at a time): as its blocks
+        where `blocks` and the tensor is quantized, else dequantized."""
         if len(info.shape) != 3:
             raise ValueError(f"GGUF tensor {info.name} has shape {list(info.shape)}; the experts' tensor must be "
                              "3-D [experts, rows, row length]")
         num_experts, per_expert = info.shape[0], info.nbytes // info.shape[0]
+        as_blocks = blocks and info.ggml_type not in _FLOAT_TYPES
         for e in range(num_experts):
-            yield name.replace(EXPERT_INDEX, str(e)), dequantize(raw[e * per_expert:(e + 1) * per_expert],
-                                                                  info.ggml_type, info.shape[1:])
+            expert = raw[e * per_expert:(e + 1) * per_expert]
+            yield name.replace(EXPERT_INDEX, str(e)), (
+                GGMLTensor.from_bytes(torch.from_numpy(expert), info.ggml_type, info.shape[1:]) if as_blocks
+                else dequantize(expert, info.ggml_type, info.shape[1:]))
 
     def tokenizer(self):
         return tokenizer_from_gguf(self.file.metadata)

@@ -14,7 +14,9 @@ where it has a router (blk.N.ffn_gate_inp), the shared expert exists where blk.N
 llama.cpp's own files have every layer sparse and, for qwen2moe, a shared expert; it renormalises the top-k for
 qwen3moe and not for qwen2moe (no key says so), as transformers' defaults do; {arch}.expert_weights_norm, where a
 file has it, overrides that. The experts' 3-D tensors (blk.N.ffn_{gate,up,down}_exps, [experts, rows, row
-length]) load one expert at a time, dequantized to the run dtype (the loader, GGUFCheckpoint)."""
+length]) load one expert at a time (the loader, GGUFCheckpoint): under the `gguf` quantization, where our CPU kernels
+run, they stay as the file's blocks and run on them (model/layers/moe.py); otherwise they are dequantized to the run
+dtype."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -95,7 +97,7 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, config: ModelConfig, moe: MoEConfig, tp, linear_method):
         super().__init__()
         self.gate = TopKRouter(config.hidden_size, moe.num_experts, moe.top_k, moe.norm_topk_prob)
-        self.experts = FusedExperts(moe.num_experts, config.hidden_size, moe.intermediate_size, tp)
+        self.experts = FusedExperts(moe.num_experts, config.hidden_size, moe.intermediate_size, tp, linear_method)
         self.shared_expert = self.shared_expert_gate = None
         if moe.shared_expert_intermediate_size:
             self.shared_expert = Qwen2MLP(config, tp, linear_method, moe.shared_expert_intermediate_size)
