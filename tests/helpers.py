@@ -454,12 +454,24 @@ def bundled_openai_client(server):
     import openai
     return openai.OpenAI(base_url=server[0] + "/v1", api_key="none", max_retries=0)
 
-def metric_value(metrics_text: str, name: str) -> float:
-    """A Prometheus series' value in /metrics text (summed over its labels)."""
-    values = [float(line.rsplit(" ", 1)[1]) for line in metrics_text.splitlines()
-              if line.startswith(name + " ") or line.startswith(name + "{")]
-    assert values, f"{name} not in /metrics"
+def metric_value(metrics_text: str, name: str, **labels: str) -> float:
+    """A Prometheus sample's value in /metrics text (`name` with its _total, _count... suffix), summed over the
+    series whose labels include `labels`."""
+    from prometheus_client.parser import text_string_to_metric_families
+    values = [sample.value for family in text_string_to_metric_families(metrics_text) for sample in family.samples
+              if sample.name == name and labels.items() <= sample.labels.items()]
+    assert values, f"{name} {labels or ''} not in /metrics"
     return sum(values)
+
+
+def metric_names(metrics_text: str) -> set[str]:
+    """The names PromQL reads in /metrics text: a histogram's family name (its _bucket, _sum and _count
+    samples'), and every other sample's name (a counter's with its _total)."""
+    from prometheus_client.parser import text_string_to_metric_families
+    names = set()
+    for family in text_string_to_metric_families(metrics_text):
+        names |= {family.name} if family.type == "histogram" else {s.name for s in family.samples}
+    return names
 
 
 def wait_idle_and_clean(engine, timeout: float = 10.0) -> None:

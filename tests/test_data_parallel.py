@@ -3,7 +3,6 @@ load and sent where their prefix is cached, each replica in /metrics, and a repl
 the pool while the others serve on."""
 import asyncio
 import os
-import re
 import signal
 
 import httpx
@@ -16,7 +15,7 @@ from qwenserve.engine.async_engine import AsyncLLMEngine
 from qwenserve.engine.data_parallel import DataParallelEngine, build_engine
 from qwenserve.entrypoints.openai.api_server import build_app
 
-from helpers import PROMPTS, greedy_tokens, live_server, pids_gone
+from helpers import PROMPTS, greedy_tokens, live_server, metric_value, pids_gone
 
 
 @pytest.fixture(scope="module")
@@ -97,11 +96,15 @@ def test_server_streams_from_two_replicas_as_from_one(parallel_tiny):
         finally:
             engine.shutdown()
         if dp == 2:
-            routed = [float(v) for v in re.findall(r'qwenserve_replica_requests_routed_total\{replica="\d"\} (\S+)',
-                                                    metrics)]
-            assert len(routed) == 2 and min(routed) >= 1 and sum(routed) == len(prompts)
-            assert re.search(r'qwenserve_replica_alive\{replica="1"\} 1\.0', metrics)
-            assert "qwenserve_num_requests_running 0.0" in metrics  # the total
+            routed = [metric_value(metrics, "qwenserve:replica_requests_routed_total", engine=str(rank))
+                      for rank in range(2)]
+            assert min(routed) >= 1 and sum(routed) == len(prompts)
+            assert metric_value(metrics, "qwenserve:replica_alive", engine="1") == 1
+            # vLLM's series, one per engine: the requests each ran, and none running now
+            finished = [metric_value(metrics, "vllm:e2e_request_latency_seconds_count", engine=str(rank))
+                        for rank in range(2)]
+            assert finished == routed
+            assert metric_value(metrics, "vllm:num_requests_running") == 0
     assert results[2] == results[1]
     assert sum(chunks for _, chunks in results[2]) > 2 * len(prompts)  # streamed, not one chunk each
 
@@ -135,6 +138,6 @@ def test_a_dead_replica_leaves_the_pool(parallel_tiny):
         engine.shutdown()
     assert health.status_code == 200  # the pool still serves
     assert not any(isinstance(r, Exception) for r in after)
-    assert re.search(r'qwenserve_replica_alive\{replica="0"\} 0\.0', metrics)
+    assert metric_value(metrics, "qwenserve:replica_alive", engine="0") == 0
     assert pids_gone([victim], timeout=5)
     assert pids_gone([p.pid for r in dp.replicas for p in r.executor._procs], timeout=15)

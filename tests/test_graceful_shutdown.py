@@ -96,7 +96,7 @@ async def _request(client: httpx.AsyncClient, chat: bool, stream: bool, max_toke
 
 
 async def _running(client: httpx.AsyncClient) -> float:
-    return metric_value((await client.get("/metrics")).text, "qwenserve_num_requests_running")
+    return metric_value((await client.get("/metrics")).text, "vllm:num_requests_running")
 
 
 def _error_of(status: int, body: dict, expected_status: int = 503) -> dict:

@@ -189,7 +189,7 @@ def test_unloading_an_adapter_in_use_lets_its_requests_finish(server, client, fi
         return unloaded, metrics, chunks
     unloaded, metrics, chunks = asyncio.run(run())
     assert unloaded.status_code == 200
-    assert metric_value(metrics, 'qwenserve_lora_num_requests_running{lora_name="busy"}') == 1, \
+    assert metric_value(metrics, "qwenserve:lora_num_requests_running", lora_name="busy") == 1, \
         "the request should still run once its adapter is unloaded"
     assert chunks[-1].choices[0].finish_reason == "length"
     text = "".join(c.choices[0].text for c in chunks if c.choices)
@@ -323,14 +323,14 @@ def test_metrics_count_requests_per_adapter(server):
         await stream.close()
         return during
     during = asyncio.run(run())
-    assert metric_value(during, 'qwenserve_lora_num_requests_running{lora_name="attn"}') == 1
-    info = [line for line in during.splitlines() if line.startswith("qwenserve_lora_requests_info{")]
+    assert metric_value(during, "qwenserve:lora_num_requests_running", lora_name="attn") == 1
+    info = [line for line in during.splitlines() if line.startswith("vllm:lora_requests_info{")]
     assert len(info) == 1
     assert 'running_lora_adapters="attn"' in info[0] and 'waiting_lora_adapters=""' in info[0]
     assert 'max_lora="2"' in info[0]
     wait_idle_and_clean(server[1])
     after = httpx.get(server[0] + "/metrics", headers=headers).text
-    assert "qwenserve_lora_num_requests_running{" not in after
+    assert "qwenserve:lora_num_requests_running{" not in after
     assert 'running_lora_adapters=""' in after
 
 

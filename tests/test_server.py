@@ -13,6 +13,7 @@ from qwenserve.entrypoints.openai.api_server import build_app
 from qwenserve.entrypoints.openai.serving_engine import OpenAIServing
 
 from helpers import engine_queue_length, hold_engine_thread, live_server, save_hf_dir, tiny_hf_model, wait_for
+from helpers import metric_value as _metric
 from helpers import wait_idle_and_clean as idle_and_clean
 
 KEY = "test-key"
@@ -178,14 +179,7 @@ def test_client_disconnect_aborts_the_request(server, endpoint, body):
     idle_and_clean(server[1])
     assert asyncio.run(server[1].call(lambda e: e.num_aborted)) == aborted_before + 1
     metrics = httpx.get(url + "/metrics", headers=headers).text  # and visible to monitoring
-    assert _metric(metrics, "qwenserve_num_aborted_requests_total") == aborted_before + 1
-
-
-def _metric(text: str, name: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} not in /metrics")
+    assert _metric(metrics, "vllm:request_success_total", finished_reason="abort") == aborted_before + 1
 
 
 def test_metrics_count_requests(client, server):
@@ -193,21 +187,21 @@ def test_metrics_count_requests(client, server):
     before = httpx.get(server[0] + "/metrics", headers=headers).text
     client.completions.create(model="tiny", prompt="count me", max_tokens=5, **GREEDY)
     after = httpx.get(server[0] + "/metrics", headers=headers).text
-    assert _metric(after, "qwenserve_generation_tokens_total") - _metric(before, "qwenserve_generation_tokens_total") == 5
-    assert _metric(after, "qwenserve_time_to_first_token_seconds_count") > _metric(
-        before, "qwenserve_time_to_first_token_seconds_count")
-    assert _metric(after, "qwenserve_num_requests_running") == 0
-    assert _metric(after, "qwenserve_kv_cache_usage_perc") == 0  # nothing live: every block free or cached
+    assert _metric(after, "vllm:generation_tokens_total") - _metric(before, "vllm:generation_tokens_total") == 5
+    assert _metric(after, "vllm:time_to_first_token_seconds_count") > _metric(
+        before, "vllm:time_to_first_token_seconds_count")
+    assert _metric(after, "vllm:num_requests_running", model_name="tiny", engine="0") == 0
+    assert _metric(after, "vllm:kv_cache_usage_perc") == 0  # nothing live: every block free or cached
     # memory: the weights, the KV cache reserved (8 MiB), and the blocks ever used, a whole number of them
     engine = server[1].engine
-    assert _metric(after, "qwenserve_model_weights_bytes") == engine.weights_bytes > 0
-    assert _metric(after, "qwenserve_kv_cache_reserved_bytes") == engine.kv.reserved_bytes
+    assert _metric(after, "qwenserve:model_weights_bytes") == engine.weights_bytes > 0
+    assert _metric(after, "qwenserve:kv_cache_reserved_bytes") == engine.kv.reserved_bytes
     assert engine.kv.reserved_bytes > 8 * (1 << 20) - engine.kv.bytes_per_block
-    touched = _metric(after, "qwenserve_kv_cache_touched_bytes")
+    touched = _metric(after, "qwenserve:kv_cache_touched_bytes")
     assert touched == engine.kv.num_touched * engine.kv.bytes_per_block and 0 < touched < engine.kv.reserved_bytes
-    for name in ("qwenserve_num_requests_waiting", "qwenserve_prefix_cache_hit_rate",
-                 "qwenserve_num_aborted_requests_total", "qwenserve_prompt_tokens_total",
-                 "qwenserve_time_per_output_token_seconds_count", "qwenserve_e2e_request_latency_seconds_count"):
+    for name in ("vllm:num_requests_waiting", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+                 "vllm:request_success_total", "vllm:prompt_tokens_total", "vllm:num_preemptions_total",
+                 "vllm:time_per_output_token_seconds_count", "vllm:e2e_request_latency_seconds_count"):
         _metric(after, name)
 
 

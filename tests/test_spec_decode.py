@@ -23,7 +23,7 @@ from qwenserve.sample.sampler import Sampler
 from qwenserve.sample.structured_outputs import StructuredOutputsParams
 from qwenserve.spec_decode.ngram_proposer import NgramProposer
 
-from helpers import record_preemptions, save_hf_dir, tiny_hf_model
+from helpers import metric_value, record_preemptions, save_hf_dir, tiny_hf_model
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
          "disable_by_batch_size": None, "min_acceptance_rate": 0}
@@ -493,9 +493,13 @@ def test_counters_reach_metrics(spec):
     generate(spec, repeating_prompts(seed=5)[:2], max_tokens=24, **GREEDY)
     stats = spec.engine.stats()
     assert stats["spec_num_accepted_tokens"] > 0
-    text = ServerMetrics().render(stats).decode()
+    text = ServerMetrics("tiny").render(stats).decode()
     for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
-        assert f"qwenserve_spec_decode_{key}_total {float(stats['spec_' + key])}" in text
+        assert metric_value(text, f"vllm:spec_decode_{key}_total", model_name="tiny", engine="0") == stats["spec_" + key]
+    per_position = [metric_value(text, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(i))
+                    for i in range(len(stats["spec_accepted_per_position"]))]
+    # a draft is accepted only with every draft before it: the counts fall with the position and add up
+    assert per_position == sorted(per_position, reverse=True) and sum(per_position) == stats["spec_num_accepted_tokens"]
 
 
 @pytest.mark.multiproc

@@ -44,9 +44,10 @@ def test_storm_loses_no_valid_request_and_leaves_nothing_behind(parallel_tiny):
             assert result["disconnected"] == leavers and result["ttft_ms"]["p99"] > 0
             wait_idle_and_clean(engine)
             metrics = httpx.get(url + "/metrics").text
-            assert metric_value(metrics, "qwenserve_num_aborted_requests_total") == leavers
-            assert metric_value(metrics, "qwenserve_num_requests_running") == 0
-            assert metric_value(metrics, "qwenserve_num_requests_waiting") == 0
-            assert metric_value(metrics, "qwenserve_request_success_total") == valid  # the leavers never finished
+            assert metric_value(metrics, "vllm:request_success_total", finished_reason="abort") == leavers
+            assert metric_value(metrics, "vllm:num_requests_running") == 0
+            assert metric_value(metrics, "vllm:num_requests_waiting") == 0
+            # the leavers never finished
+            assert metric_value(metrics, "vllm:request_success_total") - leavers == valid
     finally:
         engine.shutdown()

@@ -23,7 +23,7 @@ from qwenserve.engine.async_engine import AsyncLLMEngine
 from qwenserve.engine.llm_engine import LLMEngine
 from qwenserve.entrypoints.openai.api_server import build_app
 
-from helpers import live_server, save_hf_dir, tiny_hf_model
+from helpers import live_server, metric_value, save_hf_dir, tiny_hf_model
 from hostile_markdown import SENTINEL, corpus
 from vl_helpers import random_image, save_hf_vl_dir, tiny_hf_vl_model
 
@@ -131,10 +131,8 @@ def send_message(driver, text: str) -> None:
     by_css(driver, "#prompt")[0].send_keys(text, Keys.ENTER)
 
 
-def metric(url: str, name: str) -> float:
-    text = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + " ") or line.startswith(name + "{"))
+def metric(url: str, name: str, **labels: str) -> float:
+    return metric_value(httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text, name, **labels)
 
 
 def test_chat_streams_the_answer_with_ttft_and_speed(servers, driver, shots, capsys):
@@ -193,7 +191,7 @@ def test_stop_aborts_the_request_and_metrics_count_it(servers, driver, shots, ca
     url = servers[0]
     open_page(driver, url)
     wait(driver, lambda d: model_options(d), "the model list")
-    aborted = metric(url, "qwenserve_num_aborted_requests_total")
+    aborted = metric(url, "vllm:request_success_total", finished_reason="abort")
     fill(driver, "max-tokens", 3800)  # far more than the time it takes to press Stop
     by_css(driver, "#ignore-eos")[0].click()
     send_message(driver, "tell me a long story")
@@ -209,11 +207,11 @@ def test_stop_aborts_the_request_and_metrics_count_it(servers, driver, shots, ca
     assert "finish: stopped" in stats and "TTFT" in stats, stats
     assert not by_css(driver, "#send")[0].get_attribute("disabled")
     deadline = time.time() + 10
-    while metric(url, "qwenserve_num_aborted_requests_total") <= aborted and time.time() < deadline:
+    while metric(url, "vllm:request_success_total", finished_reason="abort") <= aborted and time.time() < deadline:
         time.sleep(0.1)
     screenshot(driver, shots, "chat_stopped", capsys)
-    assert metric(url, "qwenserve_num_aborted_requests_total") == aborted + 1
-    assert metric(url, "qwenserve_num_requests_running") == 0
+    assert metric(url, "vllm:request_success_total", finished_reason="abort") == aborted + 1
+    assert metric(url, "vllm:num_requests_running") == 0
 
 
 def _traffic(url: str, seconds: float) -> None:
@@ -276,24 +274,29 @@ def test_dashboard_draws_live_charts(servers, driver, shots, capsys):
 
 
 def test_dashboard_sums_replicas_and_reads_histograms(servers, driver):
-    """The page's own parser on exposition text with a `replica` label (data-parallel replicas): counts add up,
-    fractions average, and percentiles follow Prometheus's histogram_quantile."""
+    """The page's own parser on exposition text with an `engine` label (data-parallel replicas): counts add up,
+    fractions average, ratios divide the sums, and percentiles follow Prometheus's histogram_quantile."""
     open_page(driver, servers[0])
     text = "\n".join([
-        "# TYPE qwenserve_num_requests_running gauge",
-        'qwenserve_num_requests_running{replica="0"} 3.0', 'qwenserve_num_requests_running{replica="1"} 2.0',
-        'qwenserve_kv_cache_usage_perc{replica="0"} 0.5', 'qwenserve_kv_cache_usage_perc{replica="1"} 0.25',
-        'h_bucket{le="0.1",replica="0"} 1.0', 'h_bucket{le="0.5",replica="0"} 3.0',
-        'h_bucket{le="1.0",replica="0"} 4.0', 'h_bucket{le="+Inf",replica="0"} 5.0',
-        'h_bucket{le="0.1",replica="1"} 1.0', 'h_bucket{le="0.5",replica="1"} 3.0',
-        'h_bucket{le="1.0",replica="1"} 4.0', 'h_bucket{le="+Inf",replica="1"} 5.0',
+        "# TYPE vllm:num_requests_running gauge",
+        'vllm:num_requests_running{engine="0",model_name="tiny"} 3.0',
+        'vllm:num_requests_running{engine="1",model_name="tiny"} 2.0',
+        'vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.5',
+        'vllm:kv_cache_usage_perc{engine="1",model_name="tiny"} 0.25',
+        'vllm:prefix_cache_hits_total{engine="0"} 1.0', 'vllm:prefix_cache_hits_total{engine="1"} 2.0',
+        'vllm:prefix_cache_queries_total{engine="0"} 4.0', 'vllm:prefix_cache_queries_total{engine="1"} 8.0',
+        'h_bucket{le="0.1",engine="0"} 1.0', 'h_bucket{le="0.5",engine="0"} 3.0',
+        'h_bucket{le="1.0",engine="0"} 4.0', 'h_bucket{le="+Inf",engine="0"} 5.0',
+        'h_bucket{le="0.1",engine="1"} 1.0', 'h_bucket{le="0.5",engine="1"} 3.0',
+        'h_bucket{le="1.0",engine="1"} 4.0', 'h_bucket{le="+Inf",engine="1"} 5.0',
     ])
     got = driver.execute_script("""
         const m = parseMetrics(arguments[0]);
         const b = buckets(m, 'h');
-        return [sum(m, 'qwenserve_num_requests_running'), mean(m, 'qwenserve_kv_cache_usage_perc'),
-                quantile(0.5, b), quantile(0.9, b), sum(m, 'absent')];""", text)
-    assert got[:2] == [5, 0.375] and got[4] is None
+        return [sum(m, 'vllm:num_requests_running'), mean(m, 'vllm:kv_cache_usage_perc'),
+                quantile(0.5, b), quantile(0.9, b), sum(m, 'absent'),
+                ratio(m, 'vllm:prefix_cache_hits_total', 'vllm:prefix_cache_queries_total')];""", text)
+    assert got[:2] == [5, 0.375] and got[4] is None and got[5] == 0.25
     assert got[2] == pytest.approx(0.4) and got[3] == pytest.approx(1.0)  # 0.1 + 0.4 * 3/4; past 1.0: its bound
 
 

@@ -39,6 +39,7 @@ class Scheduler:
         max_loras: the most distinct adapters the running sequences may use (the worker's slots); None: no limit.
         speculation: speculative decoding's policy and counters; None: off."""
         self.kv = kv
+        self.num_preemptions = 0  # since start, for the server's metrics
         self.max_loras = max_loras
         self.speculation = speculation
         self._speculating = False  # this schedule() verifies and asks for drafts: speculation on, batch not too large
@@ -251,6 +252,7 @@ class Scheduler:
         self.kv.free_sequence(seq)
         seq.spec_token_ids = []  # it prefills again first
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         if seq.seq_id in self._blocks_sent:
             self._blocks_sent[seq.seq_id] = 0  # the worker keeps its tokens and generator; its blocks are gone
         self._wait(seq, front=True)

@@ -9,7 +9,7 @@ pauses for PAUSE_STEPS steps, then tries again from the threshold, so that one m
 again. Constrained sequences (structured output) never speculate: their grammar masks one token a step."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from qwenserve.core.request import Sequence
 
@@ -22,6 +22,8 @@ class SpeculationStats:
     num_drafts: int = 0  # verifications (steps in which a sequence brought at least one draft)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # drafts accepted at each position of a verification (the i-th draft is accepted only with all before it)
+    accepted_per_position: list[int] = field(default_factory=list)
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -41,7 +43,7 @@ class Speculation:
         self.max_model_len = max_model_len
         self.disable_by_batch_size = disable_by_batch_size
         self.min_acceptance_rate = min_acceptance_rate
-        self.stats = SpeculationStats()
+        self.stats = SpeculationStats(accepted_per_position=[0] * num_speculative_tokens)
 
     def batch_allows(self, num_running: int) -> bool:
         return self.disable_by_batch_size is None or num_running <= self.disable_by_batch_size
@@ -84,6 +86,8 @@ class Speculation:
         self.stats.num_drafts += 1
         self.stats.num_draft_tokens += num_drafts
         self.stats.num_accepted_tokens += accepted
+        for position in range(accepted):
+            self.stats.accepted_per_position[position] += 1
         seq.spec_acceptance = (ACCEPTANCE_DECAY * seq.spec_acceptance
                                + (1 - ACCEPTANCE_DECAY) * accepted / num_drafts)
         if seq.spec_acceptance < self.min_acceptance_rate:

@@ -148,13 +148,17 @@ class DataParallelEngine:
             if i in dead:
                 continue
             try:
-                outputs.extend(self.replicas[i].finish_step())
+                replica_outputs = self.replicas[i].finish_step()
             except ExecutorDeadError as e:
                 dead[i] = e
+                continue
             except RequestsFailedError as e:  # some of the replica's requests failed; it serves on
                 failures.update(e.failures)
-                outputs.extend(e.outputs)
+                replica_outputs = e.outputs
                 faulty_step = faulty_step or e.faulty_step
+            for out in replica_outputs:
+                out.metrics.engine_index = i
+            outputs.extend(replica_outputs)
         for rank, error in dead.items():
             failures.update(self._remove(rank, error))
         for request_id in failures:
@@ -190,18 +194,27 @@ class DataParallelEngine:
     def num_waiting_requests(self) -> int:
         return sum(r.num_waiting_requests for r, ok in zip(self.replicas, self.alive) if ok)
 
+    def _zero_stats(self) -> dict:
+        """A replica's stats() with nothing in it: what a replica that left the pool reports."""
+        return {key: 0 for key in self.replicas[0].stats()} | {"spec_accepted_per_position": [], "lora": {},
+                                                               "speculating": False}
+
     def stats(self) -> dict:
         """The totals (as LLMEngine.stats()) and, under "replicas", each replica's, with "alive" and "routed"."""
         per_replica = []
         for rank, (replica, ok) in enumerate(zip(self.replicas, self.alive)):
-            stats = replica.stats() if ok else {key: 0 for key in self.replicas[0].stats()}
+            stats = replica.stats() if ok else self._zero_stats()
             per_replica.append(stats | {"alive": ok, "routed": self.num_routed[rank]})
         live = [s for s in per_replica if s["alive"]] or per_replica
         total = {key: sum(s[key] for s in live) for key in ("running", "waiting", "aborted", "free_blocks",
                                                             "num_blocks", "prefix_hit_tokens", "prefix_query_tokens",
                                                             "weights_bytes", "kv_reserved_bytes", "kv_touched_bytes",
                                                             "spec_num_drafts", "spec_num_draft_tokens",
-                                                            "spec_num_accepted_tokens")}
+                                                            "spec_num_accepted_tokens", "num_preemptions")}
+        total["spec_accepted_per_position"] = [sum(at) for at in zip(*(s["spec_accepted_per_position"]
+                                                                       for s in live))]
+        total["speculating"] = any(s["speculating"] for s in per_replica)
+        total["block_size"] = max(s["block_size"] for s in per_replica)
         total["kv_usage"] = 1 - total["free_blocks"] / total["num_blocks"] if total["num_blocks"] else 0.0
         queries = total["prefix_query_tokens"]
         total["hit_rate"] = total["prefix_hit_tokens"] / queries if queries else 0.0

@@ -323,7 +323,10 @@ class LLMEngine:
                 # speculative decoding (zeros when off): verifications, drafts verified, drafts accepted
                 "spec_num_drafts": spec.num_drafts, "spec_num_draft_tokens": spec.num_draft_tokens,
                 "spec_num_accepted_tokens": spec.num_accepted_tokens,
+                "spec_accepted_per_position": list(spec.accepted_per_position),
                 "spec_mean_acceptance_length": spec.mean_acceptance_length,
+                "speculating": speculation is not None, "num_preemptions": self.scheduler.num_preemptions,
+                "block_size": kv.block_size,
                 "lora": self.lora_stats()}
 
 

@@ -62,7 +62,8 @@ class OutputProcessor:
                                                       params.skip_special_tokens), StopStringMatcher(params.stop))
                    for _ in seqs]
         prompt_logprobs = [None] if params.prompt_logprobs is not None else None
-        self.requests[request_id] = RequestState(request_id, request, seqs, samples, RequestMetrics(arrival_time),
+        self.requests[request_id] = RequestState(request_id, request, seqs, samples, RequestMetrics(arrival_time, max_tokens=params.max_tokens or 0,
+                                                                n=params.n),
                                                  prompt_logprobs)
         self._seqs.update((seq.seq_id, seq) for seq in seqs)
 
@@ -96,12 +97,21 @@ class OutputProcessor:
                     del seq.token_ids[seq.num_tokens - (len(seq_rows) - j - 1):]
                     finished.append(seq)
                     break
+        for request_id in {self._seqs[seq_id].request_id for seq_id in rows}:
+            self._time_tokens(touched[request_id].metrics, now)
         outputs = [self._output(req) for req in touched.values()]
         for req in touched.values():
             if req.finished:
                 req.metrics.finished_time = now
                 self._forget(req)
         return outputs, finished
+
+    @staticmethod
+    def _time_tokens(metrics: RequestMetrics, now: float) -> None:
+        """A step that gave the request tokens after its first adds one inter-token gap."""
+        if metrics.last_token_time is not None:
+            metrics.inter_token_latencies.append(now - metrics.last_token_time)
+        metrics.last_token_time = now
 
     def _add_token(self, seq: Sequence, num_output_tokens: int, token: int, logprobs: dict[int, Logprob] | None,
                    logits, now: float, grammar_complete: bool = False) -> bool:

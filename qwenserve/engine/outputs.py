@@ -31,6 +31,12 @@ class RequestMetrics:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    last_token_time: float | None = None
+    # the gaps between the steps that gave the request tokens after its first (one a step, as vLLM counts them)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    max_tokens: int = 0  # the request's resolved max_tokens and n, for the server's parameter histograms
+    n: int = 1
+    engine_index: int = 0  # the data-parallel replica that ran it
 
 
 @dataclass

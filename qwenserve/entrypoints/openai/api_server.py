@@ -88,7 +88,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: st
     unless allowed_origins names some; prompts and outputs are logged only with log_requests. lora_modules are
     checked and registered here (a bad one raises ConfigError naming it); allow_runtime_lora_updating adds the
     routes that load and unload adapters, with the engine's enable_lora."""
-    server_metrics = metrics or ServerMetrics()
+    server_metrics = metrics or ServerMetrics(served_model_names[0], engine.max_model_len)
     if engine.generation_defaults:
         logger.info("sampling defaults from generation_config (used when a request does not set them): %s",
                     engine.generation_defaults)

@@ -407,6 +407,12 @@ function mean(metrics, name) {
   return samples?.length ? sum(metrics, name) / samples.length : null;
 }
 
+// One counter over another, both summed over replicas (the prefix cache's hits over its queries); null before any.
+function ratio(metrics, part, whole) {
+  const a = sum(metrics, part), b = sum(metrics, whole);
+  return a === null || !b ? null : a / b;
+}
+
 // A histogram's cumulative buckets as [[upper bound, count]], sorted, summed over the other labels.
 function buckets(metrics, name) {
   const byBound = new Map();
@@ -495,17 +501,18 @@ function percentiles(i, name) {
 
 const CHARTS = [
   { id: "chart-requests", series: [
-    ["running", "#2f6fdf", (i) => sum(samples[i].m, "qwenserve_num_requests_running")],
-    ["waiting", "#e0742b", (i) => sum(samples[i].m, "qwenserve_num_requests_waiting")]] },
+    ["running", "#2f6fdf", (i) => sum(samples[i].m, "vllm:num_requests_running")],
+    ["waiting", "#e0742b", (i) => sum(samples[i].m, "vllm:num_requests_waiting")]] },
   { id: "chart-kv", max: 100, series: [
-    ["KV blocks in use", "#7a3fd1", (i) => pct(mean(samples[i].m, "qwenserve_kv_cache_usage_perc"))]] },
+    ["KV blocks in use", "#7a3fd1", (i) => pct(mean(samples[i].m, "vllm:kv_cache_usage_perc"))]] },
   { id: "chart-prefix", max: 100, series: [
-    ["hit rate", "#1c9a5b", (i) => pct(mean(samples[i].m, "qwenserve_prefix_cache_hit_rate"))]] },
+    ["hit rate", "#1c9a5b", (i) => pct(ratio(samples[i].m, "vllm:prefix_cache_hits_total",
+                                             "vllm:prefix_cache_queries_total"))]] },
   { id: "chart-tokens", series: [
-    ["generated", "#2f6fdf", (i) => rate(i, "qwenserve_generation_tokens_total")],
-    ["prompt", "#e0742b", (i) => rate(i, "qwenserve_prompt_tokens_total")]] },
-  { id: "chart-ttft", latency: "qwenserve_time_to_first_token_seconds" },
-  { id: "chart-tpot", latency: "qwenserve_time_per_output_token_seconds" },
+    ["generated", "#2f6fdf", (i) => rate(i, "vllm:generation_tokens_total")],
+    ["prompt", "#e0742b", (i) => rate(i, "vllm:prompt_tokens_total")]] },
+  { id: "chart-ttft", latency: "vllm:time_to_first_token_seconds" },
+  { id: "chart-tpot", latency: "vllm:time_per_output_token_seconds" },
 ];
 for (const chart of CHARTS) {  // the latency charts: one line per percentile
   if (chart.latency) {
