@@ -174,16 +174,25 @@ print(json.dumps({"before": before, "peak": status("VmHWM"), "after": status("Vm
 """
 
 
+LOAD_PEAK_SHAPES = {
+    "dense": ModelShape("tiny", hidden_size=1024, num_layers=12, num_heads=8, num_kv_heads=2, intermediate_size=4096,
+                        tied_embeddings=True),  # about 110 MB
+    # the experts' blocks stacked per layer for ggml_moe, never dequantized: about 90 MB
+    "qwen3moe": ModelShape("tiny", hidden_size=1024, num_layers=6, num_heads=8, num_kv_heads=2, intermediate_size=4096,
+                           tied_embeddings=False, architecture="qwen3moe", explicit_head_dim=128, num_experts=16,
+                           num_experts_used=4, expert_intermediate_size=512),
+}
+
+
 @pytest.mark.multiproc
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads and resets /proc/self/status's VmHWM")
-def test_loading_peaks_near_the_weights_not_at_twice_them(ops, tiny_tokenizer_gguf, tmp_path):
+@pytest.mark.parametrize("kind", sorted(LOAD_PEAK_SHAPES))
+def test_loading_peaks_near_the_weights_not_at_twice_them(ops, tiny_tokenizer_gguf, tmp_path, kind):
     # the blocks are copied into the decode layout at load; the file's pages read for that must leave memory as
     # each layer is done, or the peak holds the whole file beside its copy
-    shape = ModelShape("tiny", hidden_size=1024, num_layers=12, num_heads=8, num_kv_heads=2, intermediate_size=4096,
-                       tied_embeddings=True)
     path = str(tmp_path / "load-peak.gguf")
-    write_shaped_gguf(shape, path, seed=1, tokenizer_gguf=tiny_tokenizer_gguf)
-    size = os.path.getsize(path)  # about 110 MB
+    write_shaped_gguf(LOAD_PEAK_SHAPES[kind], path, seed=1, tokenizer_gguf=tiny_tokenizer_gguf)
+    size = os.path.getsize(path)
     result = subprocess.run([sys.executable, "-c", _LOAD_PEAK, path], capture_output=True, text=True, timeout=600,
                             env=os.environ | {"PYTHONWARNINGS": "ignore"})
     assert result.returncode == 0, result.stderr[-3000:]
