@@ -51,7 +51,8 @@ class Checkpoint:
         raise NotImplementedError
 
     def weights(self, keep_types: frozenset = frozenset()) -> Iterator[tuple[str, torch.Tensor | GGMLTensor]]:
-        """(HF name, tensor) for every weight; GGUF tensors of a type in keep_types come as their blocks."""
+        """(HF name, tensor) for every weight; GGUF tensors of a type in keep_types come as their blocks (a layer's
+        experts, where keep_types is not empty, of every quantized type: see GGUFCheckpoint)."""
         raise NotImplementedError
 
     def tokenizer(self):
