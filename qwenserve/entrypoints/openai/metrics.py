@@ -79,7 +79,7 @@ class ServerMetrics:
         self.prompt_tokens: dict[int, int] = {}
         self.generation_tokens: dict[int, int] = {}
         self.finished: dict[tuple[int, str], int] = {}  # (engine, finished_reason) -> choices
-        self._snap: dict = {}
+        self.snapshot: dict = {}  # the engine's stats() of the scrape under way
         r.register(_EngineCollector(self))
 
     def record_finished(self, out: RequestOutput) -> None:
@@ -117,7 +117,7 @@ class ServerMetrics:
 
     def render(self, snap: dict) -> bytes:
         """The exposition text, the engine's series read from `snap` (AsyncLLMEngine.stats())."""
-        self._snap = snap
+        self.snapshot = snap
         return generate_latest(self.registry)
 
 
@@ -129,14 +129,14 @@ class _EngineCollector:
         self.metrics = metrics
 
     def collect(self):
-        m, snap = self.metrics, self.metrics._snap
+        m, snap = self.metrics, self.metrics.snapshot
         if not snap:
             return
         engines = snap.get("replicas") or [snap]  # one engine: its totals are its own
         model = m.model_name
 
-        def family(kind, name: str, doc: str, value_of, extra: list[str] = ()):
-            f = kind(name, doc, labels=LABELS + list(extra))
+        def family(kind, name: str, doc: str, value_of):
+            f = kind(name, doc, labels=LABELS)
             for index, stats in enumerate(engines):
                 f.add_metric([model, str(index)], value_of(index, stats))
             return f
