@@ -495,7 +495,8 @@ def test_counters_reach_metrics(spec):
     assert stats["spec_num_accepted_tokens"] > 0
     text = ServerMetrics("tiny").render(stats).decode()
     for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
-        assert metric_value(text, f"vllm:spec_decode_{key}_total", model_name="tiny", engine="0") == stats["spec_" + key]
+        assert metric_value(text, f"vllm:spec_decode_{key}_total", model_name="tiny",
+                            engine="0") == stats["spec_" + key]
     per_position = [metric_value(text, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(i))
                     for i in range(len(stats["spec_accepted_per_position"]))]
     # a draft is accepted only with every draft before it: the counts fall with the position and add up

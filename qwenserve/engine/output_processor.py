@@ -62,9 +62,8 @@ class OutputProcessor:
                                                       params.skip_special_tokens), StopStringMatcher(params.stop))
                    for _ in seqs]
         prompt_logprobs = [None] if params.prompt_logprobs is not None else None
-        self.requests[request_id] = RequestState(request_id, request, seqs, samples, RequestMetrics(arrival_time, max_tokens=params.max_tokens or 0,
-                                                                n=params.n),
-                                                 prompt_logprobs)
+        metrics = RequestMetrics(arrival_time, max_tokens=params.max_tokens or 0, n=params.n)
+        self.requests[request_id] = RequestState(request_id, request, seqs, samples, metrics, prompt_logprobs)
         self._seqs.update((seq.seq_id, seq) for seq in seqs)
 
     def process(self, ran: list[Sequence], runner_output: ModelRunnerOutput, grammar_complete: set[int] = frozenset()
