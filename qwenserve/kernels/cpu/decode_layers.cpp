@@ -3,6 +3,10 @@
 // projections' ggml_mm segments, the per-head q/k norms where the layer has them, rotary, the KV write, paged
 // decode attention, SiLU), so its results are bit-identical to theirs; what it removes is the Python between the
 // calls, which at batch 1 on a small model is a sixth of a step (docs/performance.md, "Decode layers in one call").
+// Mixture-of-experts layers (Qwen2-MoE, Qwen3-MoE with their experts as ggml blocks) run here too: the router as
+// moe.py's TopKRouter computes it (the same ATen ops: linear, softmax in float32, topk, renormalisation), the
+// experts by the ggml_moe kernel the module calls, and Qwen2-MoE's shared expert by its ggml_mm segments, SiLU and
+// its sigmoid gate, added as SparseMoeBlock adds it.
 // Built once per model and KV cache by model/layers/decode_layers.py, which also decides when a step may take it.
 
 #include "decode_layers.h"
@@ -39,11 +43,34 @@ void DecodeLayers::add_head_norms(at::Tensor q_norm, at::Tensor k_norm) {
   layers_.back().k_norm = std::move(k_norm);
 }
 
+void DecodeLayers::add_experts(at::Tensor router, int64_t top_k, bool renormalize, at::Tensor gate,
+                               int64_t gate_type, std::optional<at::Tensor> up, int64_t up_type, at::Tensor down,
+                               int64_t down_type, int64_t group, int64_t act_levels) {
+  TORCH_CHECK(!layers_.empty(), "DecodeLayers.add_experts: add the layer first");
+  TORCH_CHECK(router.dim() == 2 && router.size(1) == layers_.back().input_norm.size(0),
+              "DecodeLayers.add_experts: the router weight must be [experts, hidden]");
+  TORCH_CHECK(gate.dim() == 3 && gate.size(0) == router.size(0) && down.dim() == 3 && down.size(0) == router.size(0),
+              "DecodeLayers.add_experts: gate and down must stack the router's ", router.size(0), " experts");
+  TORCH_CHECK(top_k >= 1 && top_k <= router.size(0), "DecodeLayers.add_experts: top_k ", top_k, " outside 1..",
+              router.size(0));
+  layers_.back().experts = Experts{std::move(router), top_k, renormalize, std::move(gate), gate_type, std::move(up),
+                                   up_type, std::move(down), down_type, group, act_levels, at::Tensor()};
+}
+
+void DecodeLayers::add_shared_expert(at::Tensor gate_weight) {
+  TORCH_CHECK(!layers_.empty() && layers_.back().experts.has_value(),
+              "DecodeLayers.add_shared_expert: add the layer's experts first");
+  TORCH_CHECK(gate_weight.dim() == 2 && gate_weight.size(0) == 1 &&
+                  gate_weight.size(1) == layers_.back().input_norm.size(0),
+              "DecodeLayers.add_shared_expert: the gate weight must be [1, hidden]");
+  layers_.back().experts->shared_gate = std::move(gate_weight);
+}
+
 void DecodeLayers::add_segment(int64_t projection, int64_t out_features, at::Tensor raw, int64_t ggml_type,
                                int64_t group, std::optional<at::Tensor> bias, int64_t offset, int64_t rows) {
   TORCH_CHECK(!layers_.empty(), "DecodeLayers.add_segment: add the layer first");
   TORCH_CHECK(projection >= 0 && projection < kProjections, "DecodeLayers.add_segment: projection ", projection,
-              " is not 0 (qkv), 1 (o), 2 (gate_up) or 3 (down)");
+              " is not 0 (qkv), 1 (o), 2 (gate_up), 3 (down), 4 (shared expert gate_up) or 5 (shared expert down)");
   TORCH_CHECK(offset >= 0 && rows > 0 && offset + rows <= out_features,
               "DecodeLayers.add_segment: rows [", offset, ", ", offset + rows, ") outside ", out_features, " outputs");
   Projection& p = layers_.back().projections[projection];
@@ -59,6 +86,38 @@ void DecodeLayers::project(at::Tensor& out, const at::Tensor& x, const Projectio
     at::Tensor target = s.rows == p.out_features ? out : out.narrow(1, s.offset, s.rows);
     ggml_mm(target, x, s.raw, s.ggml_type, s.group, s.bias, act_levels_);
   }
+}
+
+// down(silu_and_mul(gate_up(x))), as Qwen2MLP runs it at few rows
+at::Tensor DecodeLayers::mlp(const at::Tensor& x, const Projection& gate_up, const Projection& down) const {
+  const int64_t rows = x.size(0);
+  TORCH_CHECK(!gate_up.segments.empty() && !down.segments.empty(), "DecodeLayers.run: a layer's MLP has no segments");
+  at::Tensor up = at::empty({rows, gate_up.out_features}, x.options());
+  project(up, x, gate_up);
+  at::Tensor act = at::empty({rows, gate_up.out_features / 2}, x.options());
+  silu_and_mul(act, up);
+  at::Tensor out = at::empty({rows, down.out_features}, x.options());
+  project(out, act, down);
+  return out;
+}
+
+// SparseMoeBlock.forward at one tensor-parallel rank: TopKRouter's weights and ids by the same ATen ops (the logits in
+// x's dtype, softmax in float32, topk, renormalised where asked, cast to x's dtype), then ggml_moe with the weights
+// in float32 as ExpertBlocks.run passes them; the shared expert, where there is one, scaled by the sigmoid of its
+// gate and added
+at::Tensor DecodeLayers::run_experts(const Layer& layer, const at::Tensor& x) const {
+  const Experts& e = *layer.experts;
+  at::Tensor probs = at::softmax(at::linear(x, e.router), -1, at::kFloat);
+  auto [weights, ids] = at::topk(probs, e.top_k, -1);
+  if (e.renormalize) weights = weights / weights.sum(-1, true);
+  weights = weights.to(x.scalar_type());
+  at::Tensor out = ggml_moe(x, ids.contiguous(), weights.to(at::kFloat).contiguous(), e.gate, e.gate_type, e.up,
+                            e.up_type, e.down, e.down_type, e.group, e.act_levels);
+  if (e.shared_gate.defined()) {
+    at::Tensor shared = mlp(x, layer.projections[4], layer.projections[5]);
+    out = out + at::sigmoid(at::linear(x, e.shared_gate)) * shared;
+  }
+  return out;
 }
 
 // RMSNorm over each of `heads` heads from head first_head of the fused projection's rows, in place: the rows are
@@ -100,7 +159,8 @@ std::tuple<at::Tensor, at::Tensor> DecodeLayers::run(at::Tensor hidden, std::opt
   at::Tensor res = residual.has_value() ? *residual : at::Tensor();
   at::Tensor attn = at::empty({rows, heads_, head_dim_}, hidden.options());
   for (const Layer& layer : layers_) {
-    const auto& [qkv_p, o_p, gate_up_p, down_p] = layer.projections;
+    const Projection& qkv_p = layer.projections[0];
+    const Projection& o_p = layer.projections[1];
     if (!res.defined()) {  // the first layer of the first stage: the embedding is the residual
       res = hidden;
       hidden = at::empty_like(res);
@@ -122,12 +182,8 @@ std::tuple<at::Tensor, at::Tensor> DecodeLayers::run(at::Tensor hidden, std::opt
     at::Tensor attended = at::empty({rows, o_p.out_features}, hidden.options());
     project(attended, attn.view({rows, q_size}), o_p);
     fused_add_rms_norm(attended, res, layer.post_norm, eps_);
-    at::Tensor gate_up = at::empty({rows, gate_up_p.out_features}, hidden.options());
-    project(gate_up, attended, gate_up_p);
-    at::Tensor act = at::empty({rows, gate_up_p.out_features / 2}, hidden.options());
-    silu_and_mul(act, gate_up);
-    hidden = at::empty({rows, down_p.out_features}, hidden.options());
-    project(hidden, act, down_p);
+    hidden = layer.experts ? run_experts(layer, attended)
+                           : mlp(attended, layer.projections[2], layer.projections[3]);
   }
   return {hidden, res};
 }

@@ -43,6 +43,8 @@ QS_TORCH_LIBRARY(QS_OPS_NAMESPACE, m) {
       .def(torch::init<int64_t, int64_t, int64_t, double, double, int64_t, at::Tensor>())
       .def("add_layer", &DecodeLayers::add_layer)
       .def("add_head_norms", &DecodeLayers::add_head_norms)
+      .def("add_experts", &DecodeLayers::add_experts)
+      .def("add_shared_expert", &DecodeLayers::add_shared_expert)
       .def("add_segment", &DecodeLayers::add_segment)
       .def("run", &DecodeLayers::run)
       .def("num_layers", &DecodeLayers::num_layers);

@@ -4,38 +4,92 @@ modules would run, in their order, so the results are bit-identical; it saves th
 a batch-1 step of the bundled model: docs/performance.md, "Decode layers in one call").
 
 It applies where every part of every layer has a kernel: layers whose declared parts (decode_parts) are the ones
-it runs (RUNS), with no parameter outside them; block-quantized projections that take ggml_mm at the
-step's rows (every segment a kernel call, no input permutation), one tensor-parallel rank, a fixed 1-D rotary table
-(not M-RoPE's [3, T] positions), a KV cache in the run dtype, and a step of decode tokens only, none of them under a
-LoRA adapter. Anything else runs the modules, as does every step under enforce_eager. The layers' names are vLLM's
-(input_layernorm, self_attn.qkv_proj, mlp.gate_up_proj, ...)."""
+it runs (RUNS, or a mixture-of-experts MLP: MOE_MLP, with SHARED_EXPERT where there is one), with no parameter
+outside them; block-quantized projections that take ggml_mm at the step's rows (every segment a kernel call, no
+input permutation), experts kept as ggml blocks (moe.py's block mode, run by ggml_moe; not the dense experts of a
+float checkpoint), one tensor-parallel rank, a fixed 1-D rotary table (not M-RoPE's [3, T] positions), a KV cache
+in the run dtype, and a step of decode tokens only, none of them under a LoRA adapter. Anything else runs the
+modules, as does every step under enforce_eager. The layers' names are vLLM's (input_layernorm,
+self_attn.qkv_proj, mlp.gate_up_proj, mlp.experts, ...)."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from qwenserve.model.layers.attention import AttentionMetadata, PagedKVCache
+from qwenserve.model.layers.moe import FusedExperts, TopKRouter
 from qwenserve.model.layers.rotary import MRotaryEmbedding
 
-# add_segment's projection numbers
-_PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+# add_segment's projection numbers: 2 and 3 a dense MLP's, 4 and 5 a mixture-of-experts layer's shared expert's
+_PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj",
+                "mlp.shared_expert.gate_up_proj", "mlp.shared_expert.down_proj")
 # the layer parts (a decoder layer's decode_parts) DecodeLayers runs, in the order it runs them; the per-head q/k
-# norms (Qwen3) are optional, together. A layer that names another part (an expert MLP) or holds a parameter
-# outside its named parts runs through its modules.
+# norms (Qwen3) are optional, together. A layer that names another part or holds a parameter outside its named
+# parts runs through its modules.
 RUNS = ("input_layernorm", "self_attn.qkv_proj", "self_attn.q_norm", "self_attn.k_norm", "self_attn.rotary_emb",
         "self_attn.attn", "self_attn.o_proj", "post_attention_layernorm", "mlp.gate_up_proj", "mlp.act_fn",
         "mlp.down_proj")
 _HEAD_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
+_DENSE_MLP = RUNS[RUNS.index("mlp.gate_up_proj"):]
+# a mixture-of-experts MLP (models/qwen2_moe.py's SparseMoeBlock) in place of the dense one: the router and the
+# experts, then (Qwen2-MoE) the shared expert's MLP and its sigmoid gate
+MOE_MLP = ("mlp.gate", "mlp.experts")
+SHARED_EXPERT = ("mlp.shared_expert.gate_up_proj", "mlp.shared_expert.act_fn", "mlp.shared_expert.down_proj",
+                 "mlp.shared_expert_gate")
+
+
+def _declarations() -> tuple[tuple[str, ...], ...]:
+    attention = RUNS[:RUNS.index("mlp.gate_up_proj")]
+    without_norms = tuple(p for p in attention if p not in _HEAD_NORMS)
+    return tuple(a + mlp for a in (attention, without_norms)
+                 for mlp in (_DENSE_MLP, MOE_MLP, MOE_MLP + SHARED_EXPERT))
+
+
+_RUNS_ANY = _declarations()
 
 
 def runs_every_part(layer: nn.Module) -> bool:
     """Whether DecodeLayers computes what the layer does: its declared parts are RUNS (with or without both head
-    norms), in that order, and every parameter it holds lies in one of them (so a part the declaration forgot
-    cannot be skipped silently)."""
+    norms; the dense MLP's parts or, in their place, MOE_MLP with or without SHARED_EXPERT), in that order, and
+    every parameter it holds lies in one of them (so a part the declaration forgot cannot be skipped silently)."""
     parts = tuple(getattr(layer, "decode_parts", ()))
-    if parts not in (RUNS, tuple(p for p in RUNS if p not in _HEAD_NORMS)):
+    if parts not in _RUNS_ANY:
         return False
     return all(any(name.startswith(part + ".") for part in parts) for name, _ in layer.named_parameters())
+
+
+def _has_experts(layer: nn.Module) -> bool:
+    return MOE_MLP[1] in layer.decode_parts
+
+
+def _has_shared_expert(layer: nn.Module) -> bool:
+    return SHARED_EXPERT[-1] in layer.decode_parts
+
+
+def _projection_paths(layer: nn.Module) -> tuple[tuple[int, str], ...]:
+    """(add_segment's number, path) of each linear projection the call runs in the layer."""
+    numbered = tuple(enumerate(_PROJECTIONS))
+    if not _has_experts(layer):
+        return numbered[:4]
+    return numbered[:2] + (numbered[4:] if _has_shared_expert(layer) else ())
+
+
+def _experts_run_on_blocks(layer: nn.Module) -> bool:
+    """Whether the layer's mixture-of-experts MLP is what the call runs: a top-k router, experts held as blocks
+    for ggml_moe (not dense: a float checkpoint's), one tensor-parallel rank, and a shared expert gate without a
+    bias, the shared expert's MLP taking one pass at the step's rows."""
+    mlp = layer.mlp
+    if not (isinstance(getattr(mlp, "gate", None), TopKRouter) and isinstance(getattr(mlp, "experts", None),
+                                                                                FusedExperts)):
+        return False
+    experts = mlp.experts
+    if (experts.blocks is None or experts.ops is None or experts.tp.size != 1
+            or getattr(experts, "expert_parallel", False)):
+        return False
+    if _has_shared_expert(layer):
+        gate = getattr(mlp, "shared_expert_gate", None)
+        return isinstance(gate, nn.Linear) and gate.bias is None and mlp.shared_expert is not None
+    return getattr(mlp, "shared_expert", None) is None
 
 
 def _projection(layer: nn.Module, path: str) -> nn.Module:
@@ -77,16 +131,21 @@ class FusedDecodeLayers:
             return 0
         if not all(runs_every_part(layer) for layer in self._layers):
             return 0
+        if not all(_experts_run_on_blocks(layer) for layer in self._layers if _has_experts(layer)):
+            return 0
         first = self._layers[0]
         rotary = first.self_attn.rotary_emb
         if rotary.dynamic or isinstance(rotary, MRotaryEmbedding):  # the call indexes one table by 1-D positions
             return 0
-        linears = [_projection(layer, path) for layer in self._layers for path in _PROJECTIONS]
+        linears = [_projection(layer, path) for layer in self._layers for _, path in _projection_paths(layer)]
         if not all(_runs_on_kernel_calls(linear) for linear in linears):
             return 0
         if len({linear.act_levels for linear in linears}) != 1:
             return 0
-        return min(linear.dense_from_rows for linear in linears)
+        below = min(linear.dense_from_rows for linear in linears)
+        # a shared expert's MLP (Qwen2MLP) splits more rows than rows_per_pass into passes: the call runs one
+        shared = [layer.mlp.shared_expert.rows_per_pass + 1 for layer in self._layers if _has_shared_expert(layer)]
+        return min([below] + shared)
 
     def _build(self, cache: PagedKVCache):
         first = self._layers[0]
@@ -99,7 +158,14 @@ class FusedDecodeLayers:
             call.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, cache.k[i], cache.v[i])
             if _HEAD_NORMS[0] in layer.decode_parts:
                 call.add_head_norms(layer.self_attn.q_norm.weight, layer.self_attn.k_norm.weight)
-            for number, path in enumerate(_PROJECTIONS):
+            if _has_experts(layer):
+                router, experts = layer.mlp.gate, layer.mlp.experts
+                b = experts.blocks
+                call.add_experts(router.weight, router.top_k, router.renormalize, b.gate, b.gate_type, b.up,
+                                 b.up_type, b.down, b.down_type, b.group, experts.act_levels)
+                if _has_shared_expert(layer):
+                    call.add_shared_expert(layer.mlp.shared_expert_gate.weight)
+            for number, path in _projection_paths(layer):
                 linear = _projection(layer, path)
                 for rows_slice, raw, ggml_type, group, bias in linear.kernel_calls:
                     offset, rows = ((0, linear.output_size) if rows_slice is None

@@ -128,11 +128,13 @@ class Qwen2MoeDecoderLayer(Qwen2DecoderLayer):
         moe = MoEConfig.from_config(config, self.norm_topk_prob_default, self.has_shared_expert)
         if not moe.is_sparse(layer_number):
             return Qwen2MLP(config, tp, linear_method)
-        # the one-call decode runs no experts: naming them keeps this layer (and its stage) on the modules
+        # the one-call decode (model/layers/decode_layers.py) runs the router and the experts where they are blocks,
+        # and the shared expert's MLP and gate, in place of the dense MLP's parts
         self.decode_parts = self.decode_parts[:self.decode_parts.index("mlp.gate_up_proj")] + ("mlp.gate",
                                                                                               "mlp.experts")
         if moe.shared_expert_intermediate_size:
-            self.decode_parts += ("mlp.shared_expert", "mlp.shared_expert_gate")
+            self.decode_parts += ("mlp.shared_expert.gate_up_proj", "mlp.shared_expert.act_fn",
+                                  "mlp.shared_expert.down_proj", "mlp.shared_expert_gate")
         return SparseMoeBlock(config, moe, tp, linear_method)
 
 
