@@ -334,7 +334,8 @@ def generate_until_killed(llm, pid: int, after_steps: int = 3, timeout: float = 
     return result["error"], result["at"] - killed_at
 
 
-def _rank_logits(rank: int, world: int, port: int, path: str, quantization: str, ids: list[int], out):
+def _rank_logits(rank: int, world: int, port: int, path: str, quantization: str, ids: list[int], out,
+                 expert_parallel: bool = False):
     """One rank of tensor_parallel_logits, in its own spawned process."""
     import torch.distributed as dist
 
@@ -348,7 +349,8 @@ def _rank_logits(rank: int, world: int, port: int, path: str, quantization: str,
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         resolved = resolve_model(LoadConfig(model=path, dtype="float32", max_model_len=256, quantization=quantization))
-        model = load_model(resolved, tp=TensorParallel(rank, world, dist.group.WORLD))
+        model = load_model(resolved, tp=TensorParallel(rank, world, dist.group.WORLD,
+                                                      expert_parallel=expert_parallel))
         logits = full_logits(model, ids)
         out.put((rank, logits.numpy()))  # by value: a shared tensor dies with this process
         # every rank done before any tears gloo down: a rank that left first has aborted a slower one at exit
@@ -363,13 +365,16 @@ def _rank_logits(rank: int, world: int, port: int, path: str, quantization: str,
     os._exit(0)
 
 
-def tensor_parallel_logits(path: str, tp: int, ids: list[int], quantization: str = "none") -> dict[int, np.ndarray]:
-    """rank -> the full logits of `ids` from the model at `path` split over `tp` spawned ranks (gloo, float32)."""
+def tensor_parallel_logits(path: str, tp: int, ids: list[int], quantization: str = "none",
+                           expert_parallel: bool = False) -> dict[int, np.ndarray]:
+    """rank -> the full logits of `ids` from the model at `path` split over `tp` spawned ranks (gloo, float32);
+    expert_parallel: whole experts per rank (enable_expert_parallel)."""
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_logits, args=(r, tp, port, path, quantization, ids, out)) for r in range(tp)]
+    procs = [ctx.Process(target=_rank_logits, args=(r, tp, port, path, quantization, ids, out, expert_parallel))
+             for r in range(tp)]
     for p in procs:
         p.start()
     results = dict(out.get(timeout=120) for _ in range(tp))

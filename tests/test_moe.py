@@ -5,8 +5,10 @@ by one, logits within float32 rounding; the experts' grouping against a plain pe
 parallelism at 2 against one process; config fields checked with errors that name them. The same checkpoints as
 llama.cpp GGUF files (qwen2moe, qwen3moe; helpers.save_gguf): F32 gives HF's greedy tokens, Q8_0 with the blocks
 kept (the experts' too, as blocks only) equals the same file dequantized at load; tensor parallelism at 2 on the
-blocks. The ggml_moe kernel (the experts on their blocks) against the same quantization composed from ggml_mm
-and against the dense math on the dequantized experts, for several block types, loads and dtypes."""
+blocks. Expert parallelism (enable_expert_parallel: whole experts per rank) at 2 against one process, dense and on
+blocks, each rank holding only its experts, and its settings. The ggml_moe kernel (the experts on their blocks)
+against the same quantization composed from ggml_mm and against the dense math on the dequantized experts, for
+several block types, loads and dtypes."""
 import dataclasses
 
 import numpy as np
@@ -331,6 +333,160 @@ def test_speculative_decoding_and_structured_output_on_a_moe_model(tmp_path):
     for out in plain.generate(prompts, constrained, use_tqdm=False):
         value = json.loads(out.outputs[0].text)
         assert set(value) == {"n"} and 0 <= value["n"] <= 99
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# expert parallelism (enable_expert_parallel): whole experts per tensor-parallel rank
+
+def _rank(rank: int, size: int, reduce: bool = True):
+    """TensorParallel of expert parallelism at this rank; reduce=False: all_reduce returns this rank's part, so
+    one process can build every rank and sum their parts itself."""
+    from qwenserve.distributed.tensor_parallel import TensorParallel
+
+    class ThisRankOnly(TensorParallel):
+        def all_reduce(self, x):
+            return x
+
+    return (TensorParallel if reduce else ThisRankOnly)(rank, size, expert_parallel=True)
+
+
+def test_expert_parallel_places_contiguous_ranges_and_sums_to_every_expert():
+    """vLLM's placement (ranges, the remainder on the first ranks); the ranks' parts, each from its own experts
+    only, add up to one process's output, with tokens that use no expert of some rank."""
+    from qwenserve.distributed.layout import local_experts
+    from qwenserve.distributed.tensor_parallel import TensorParallel
+    assert [local_experts(6, _rank(r, 4)) for r in range(4)] == [(0, 2), (2, 2), (4, 1), (5, 1)]
+    assert [local_experts(6, _rank(r, 2)) for r in range(2)] == [(0, 3), (3, 3)]
+    torch.manual_seed(1)
+    full = FusedExperts(5, 16, 8, TensorParallel())
+    full.w13.normal_(0, 0.3)
+    full.w2.normal_(0, 0.3)
+    x, ids = torch.randn(6, 16), torch.tensor([[0, 1], [0, 2], [4, 3], [1, 0], [4, 4], [2, 3]])
+    weights = torch.rand(ids.shape)
+    parts = []
+    for r in range(3):
+        experts = FusedExperts(5, 16, 8, _rank(r, 3, reduce=False))
+        first, count = experts.first_expert, experts.num_local_experts
+        assert experts.w13.shape == (count, 16, 16) and experts.w2.shape == (count, 16, 8)  # whole experts
+        experts.w13.copy_(full.w13[first:first + count])
+        experts.w2.copy_(full.w2[first:first + count])
+        assert all(p.numel() == 0 for e in range(5) if not first <= e < first + count
+                   for p in getattr(experts, str(e)).parameters())
+        parts.append(experts(x, weights, ids))
+    assert [len(p.nonzero()) > 0 for p in parts] == [True, True, True]
+    torch.testing.assert_close(sum(parts), full(x, weights, ids), atol=1e-5, rtol=1e-5)
+
+
+def _loaded(path: str, tp, quantization: str = "none"):
+    """One rank's model, loaded in this process (loading runs no collective)."""
+    from qwenserve.config.engine_config import LoadConfig
+    from qwenserve.model.loader.model_loader import load_model
+    from qwenserve.model.loader.resolve import resolve_model
+    return load_model(resolve_model(LoadConfig(model=path, dtype="float32", max_model_len=256,
+                                               quantization=quantization)), tp=tp)
+
+
+def test_expert_parallel_ranks_load_only_their_experts(moe):
+    """Each rank's experts are its range of the checkpoint's, whole; the other experts hold nothing."""
+    from qwenserve.distributed.tensor_parallel import TensorParallel
+    _, path = moe
+    one = _expert_layers(_loaded(path, TensorParallel()))
+    for r in range(2):
+        for full, experts in zip(one, _expert_layers(_loaded(path, _rank(r, 2)))):
+            held = slice(3 * r, 3 * r + 3)
+            assert (experts.first_expert, experts.num_local_experts) == (3 * r, 3)
+            assert torch.equal(experts.w13, full.w13[held]) and torch.equal(experts.w2, full.w2[held])
+            assert all(p.numel() == 0 for e in range(6) if e // 3 != r for p in getattr(experts, str(e)).parameters())
+
+
+def test_expert_parallel_blocks_hold_only_their_experts(ops, tmp_path):
+    """From a Q8_0 GGUF file each rank stacks the blocks of its experts only, the file's bytes unsplit."""
+    from qwenserve.distributed.tensor_parallel import TensorParallel
+    path = save_gguf(tiny_moe("qwen2_moe", seed=4), str(tmp_path / "ep.gguf"), quant="Q8_0")
+    one = _expert_layers(_loaded(path, TensorParallel(), "gguf"))
+    for r in range(2):
+        ranks = _expert_layers(_loaded(path, _rank(r, 2), "gguf"))
+        assert len(ranks) == len(one) == 3
+        for full, experts in zip(one, ranks):
+            held = slice(3 * r, 3 * r + 3)
+            assert experts.w13 is None and experts.blocks.gate.shape[0] == 3
+            for part in ("gate", "down"):
+                assert torch.equal(getattr(experts.blocks, part), getattr(full.blocks, part)[held])
+            assert all(p.numel() == 0 for p in experts.parameters())
+
+
+@pytest.mark.multiproc
+def test_expert_parallel_logits_equal_one_process(moe):
+    from qwenserve.model.loader.model_loader import LoadedModel
+    from qwenserve.worker.model_runner import full_logits
+    _, path = moe
+    expected = full_logits(LoadedModel(path, dtype="float32").model, PROMPTS[3])
+    results = tensor_parallel_logits(path, 2, PROMPTS[3], expert_parallel=True)
+    for rank in range(2):
+        torch.testing.assert_close(torch.from_numpy(results[rank]), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.multiproc
+def test_expert_parallel_greedy_equals_one_process(tmp_path):
+    """The engine's flag end to end: Qwen2-MoE with its shared expert (split across the ranks as usual)."""
+    path = save_hf_dir(tiny_moe("qwen2_moe", seed=7), str(tmp_path / "hf"))
+    one = greedy_tokens(LLM(path, dtype="float32", kv_cache_memory="32MiB"), params=GREEDY)
+    ep = LLM(path, dtype="float32", kv_cache_memory="32MiB", tensor_parallel_size=2, enable_expert_parallel=True)
+    assert greedy_tokens(ep, params=GREEDY) == one
+
+
+@pytest.mark.multiproc
+def test_expert_parallel_on_blocks(ops, tmp_path):
+    """Q8_0 experts kept as blocks: each rank's ggml_moe call runs only its experts' (token, expert) pairs. Logits
+    as close to one process's as the split experts' (test_tensor_parallel_splits_every_expert_of_blocks), and
+    the engine's greedy tokens equal."""
+    from qwenserve.model.loader.model_loader import LoadedModel
+    from qwenserve.worker.model_runner import full_logits
+    hf = tiny_moe("qwen3_moe", seed=8, norm_topk_prob=True)
+    path = save_gguf(hf, str(tmp_path / "ep.gguf"), quant="Q8_0")
+    expected = full_logits(LoadedModel(path, dtype="float32", quantization="gguf").model, PROMPTS[3])
+    results = tensor_parallel_logits(path, 2, PROMPTS[3], "gguf", expert_parallel=True)
+    for rank in range(2):
+        torch.testing.assert_close(torch.from_numpy(results[rank]), expected, atol=1e-3, rtol=1e-3)
+    one = greedy_tokens(LLM(path, dtype="float32", kv_cache_memory="32MiB", quantization="gguf"), params=GREEDY)
+    ep = LLM(path, dtype="float32", kv_cache_memory="32MiB", quantization="gguf", tensor_parallel_size=2,
+             enable_expert_parallel=True)
+    assert greedy_tokens(ep, params=GREEDY) == one
+
+
+def test_expert_parallel_settings(tmp_path):
+    """The flag: a CLI flag and keyword, off by default; at tensor_parallel_size 1 and on a model without experts
+    it changes nothing; fewer experts than ranks is a ConfigError naming both, before any worker starts."""
+    import argparse
+    import json
+
+    from qwenserve.config.engine_config import EngineConfig
+    from qwenserve.distributed.layout import check_parallel_layout
+    from qwenserve.distributed.tensor_parallel import TensorParallel
+    from qwenserve.entrypoints.cli.engine_args import add_engine_args, engine_config_from_args
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert not engine_config_from_args(parser.parse_args([])).parallel.enable_expert_parallel
+    assert engine_config_from_args(parser.parse_args(["--enable-expert-parallel"])).parallel.enable_expert_parallel
+    one_rank = FusedExperts(6, 16, 8, TensorParallel(0, 1, expert_parallel=True))
+    assert not one_rank.expert_parallel and one_rank.w13.shape[0] == 6
+    path = save_hf_dir(tiny_moe("qwen3_moe", seed=9), str(tmp_path / "hf"))
+    assert greedy_tokens(LLM(path, dtype="float32", kv_cache_memory="32MiB", enable_expert_parallel=True),
+                         params=GREEDY) == greedy_tokens(LLM(path, dtype="float32", kv_cache_memory="32MiB"),
+                                                         params=GREEDY)
+    with open(f"{path}/config.json") as f:
+        config = ModelConfig.from_hf_dict(json.load(f))
+    check_parallel_layout(dataclasses.replace(config, extra={}), 2, 1, None, expert_parallel=True)  # no experts
+    message = "num_experts 1 is less than tensor_parallel_size 2"
+    with pytest.raises(ConfigError, match=message):
+        check_parallel_layout(dataclasses.replace(config, extra={**config.extra, "num_experts": 1}), 2, 1, None,
+                              expert_parallel=True)
+    with pytest.raises(ConfigError, match=message):
+        FusedExperts(1, 16, 8, TensorParallel(0, 2, expert_parallel=True))
+    few = save_hf_dir(tiny_moe("qwen3_moe", num_experts=1, num_experts_per_tok=1), str(tmp_path / "one-expert"))
+    with pytest.raises(ConfigError, match=message):
+        LLM(few, dtype="float32", tensor_parallel_size=2, enable_expert_parallel=True)
+    assert EngineConfig.from_kwargs(tensor_parallel_size=2, enable_expert_parallel=True).parallel.enable_expert_parallel
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -245,6 +245,11 @@ class ParallelConfig:
     data_parallel_size: int = setting(1, "engine replicas, each with its own workers and KV cache, that share "
                                          "the requests (routed by load and cached prefix) (default: %(default)s)",
                                       type=int)
+    enable_expert_parallel: bool = setting(
+        False, "place whole experts of a mixture-of-experts layer on the tensor-parallel ranks (each rank a "
+               "contiguous range) instead of a slice of every expert on each; attention and dense layers stay "
+               "split as before. No effect with tensor_parallel_size 1 or on a model without experts "
+               "(default: off)")
     distributed_executor_backend: str | None = setting(
         None, "how the worker processes are started: mp (spawned on this host) or ray (actors of the Ray cluster "
               "at RAY_ADDRESS, or a local one; pip install qwenserve[ray]); default: mp when there is more than "

@@ -20,11 +20,13 @@ def free_port() -> int:
 
 def init_model_parallel(rank: int, tp_size: int, pp_size: int, init_method: str, backend: str,
                         shm_name: str | None = None,
-                        layer_partition: tuple[int, ...] | None = None) -> tuple[TensorParallel, PipelineParallel]:
+                        layer_partition: tuple[int, ...] | None = None,
+                        expert_parallel: bool = False) -> tuple[TensorParallel, PipelineParallel]:
     """Join the world of tp_size * pp_size processes and build its groups. Rank r is tensor rank r % tp_size
     of stage r // tp_size (vLLM's layout: the ranks of one stage are neighbours). shm_name: all ranks share
     this host, so a stage's tensor ranks all-reduce through shared memory of that name (on the CPU).
-    layer_partition: layers per stage (None: balanced)."""
+    layer_partition: layers per stage (None: balanced). expert_parallel: each stage's tensor ranks hold whole
+    experts (enable_expert_parallel)."""
     world = tp_size * pp_size
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
     tp_group = pp_group = None
@@ -42,7 +44,7 @@ def init_model_parallel(rank: int, tp_size: int, pp_size: int, init_method: str,
     shm = None
     if shm_name and backend == "gloo" and tp_size > 1 and shm_all_reduce_supported():
         shm = _attach_shm_all_reduce(rank % tp_size, tp_size, f"{shm_name}-{rank // tp_size}", tp_group)
-    return (TensorParallel(rank % tp_size, tp_size, tp_group, shm),
+    return (TensorParallel(rank % tp_size, tp_size, tp_group, shm, expert_parallel),
             PipelineParallel(rank // tp_size, pp_size, pp_group, layer_partition))
 
 

@@ -16,6 +16,8 @@ class TensorParallel:
     size: int = 1
     group: object = None  # a torch.distributed process group when size > 1
     shm: ShmAllReduce | None = None  # the same ranks through shared memory (one host, CPU)
+    # enable_expert_parallel: a layer's experts are placed whole on these ranks instead of sliced (model/layers/moe.py)
+    expert_parallel: bool = False
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:

@@ -28,7 +28,8 @@ class DistributedExecutor(Executor):
         self.tp_size, self.pp_size = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
         self.world_size = self.tp_size * self.pp_size
         # here, rather than in every worker after it started
-        check_parallel_layout(config.resolved_model.config, self.tp_size, self.pp_size, parallel.pp_layer_partition)
+        check_parallel_layout(config.resolved_model.config, self.tp_size, self.pp_size, parallel.pp_layer_partition,
+                              parallel.enable_expert_parallel)
         self.max_concurrent_batches = self.pp_size
         self.output_rank = (self.pp_size - 1) * self.tp_size  # the last stage's first tensor rank
         self._dead: str | None = None  # why no further step can run

@@ -146,5 +146,6 @@ def init_rank_worker(rank: int, config: EngineConfig, init_method: str, shm_name
         device = torch.device("cuda", torch.cuda.current_device())
         config = dataclasses.replace(config, load=dataclasses.replace(config.load, device=str(device)))
     tp, pp = init_model_parallel(rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size, init_method,
-                                 "nccl" if device.type == "cuda" else "gloo", shm_name, parallel.pp_layer_partition)
+                                 "nccl" if device.type == "cuda" else "gloo", shm_name, parallel.pp_layer_partition,
+                                 parallel.enable_expert_parallel)
     return Worker(config, tp, pp)

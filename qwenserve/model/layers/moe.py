@@ -9,7 +9,11 @@ projection; the tokens are grouped by expert and only the chosen experts run, in
 under the `gguf` quantization, where the kernels run): each expert's parameters are placeholders whose loaders
 keep the file's blocks, stacked per projection once loaded, and one ggml_moe call runs the chosen experts on them
 (quantization/gguf_experts.py). Under tensor parallelism each rank holds its slice of every expert's intermediate
-dimension (vLLM's default); the partial outputs are summed with one all-reduce."""
+dimension (vLLM's default); the partial outputs are summed with one all-reduce. With enable_expert_parallel
+(tp.expert_parallel) each rank instead holds a contiguous range of whole experts (distributed/layout.py's
+local_experts) and nothing of the others, whose checkpoint tensors its placeholders take and drop; every rank routes
+every token, runs only the (token, expert) pairs of its own experts, and the same all-reduce sums the ranks'
+parts."""
 from __future__ import annotations
 
 import torch
@@ -18,6 +22,7 @@ from torch import nn
 
 from qwenserve.config.errors import ConfigError
 from qwenserve.config.tuning import this_cpu_tuning
+from qwenserve.distributed.layout import check_expert_split, local_experts
 from qwenserve.distributed.tensor_parallel import TensorParallel
 from qwenserve.model.layers.quantization.ggml_blocks import activation_levels
 from qwenserve.model.layers.quantization.gguf_experts import ExpertBlockCollector, expert_kernels
@@ -92,6 +97,24 @@ class _ExpertOfBlocks(nn.Module):
         self.down_proj = _ExpertBlocksProjection(collector, expert, fused_gate_up=False)
 
 
+def _drop(param: nn.Parameter, loaded, shard_id=None) -> None:
+    """Another rank's expert (expert parallelism): nothing of it is kept here."""
+
+
+class _OtherRanksExpert(nn.Module):
+    """An expert another rank holds: empty placeholders, so that the checkpoint still has to provide it (as on one
+    rank) and its tensors are dropped as they load."""
+
+    def __init__(self):
+        super().__init__()
+        for name in ("gate_up_proj", "down_proj"):
+            proj = nn.Module()
+            proj.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+            proj.weight.weight_loader = _drop
+            proj.weight.takes_ggml_blocks = True  # blocks stay a view of the file, never dequantized to be dropped
+            self.add_module(name, proj)
+
+
 class FusedExperts(nn.Module):
     """The experts of one layer; children "0", "1", ... are the experts as the checkpoint names them."""
 
@@ -100,26 +123,39 @@ class FusedExperts(nn.Module):
         """linear_method: the decoder layers' (None: dense); the GGUF method keeps the experts' blocks where the
         kernels run (module docstring)."""
         super().__init__()
-        if intermediate_size % tp.size:
-            raise ConfigError(f"config field moe_intermediate_size ({intermediate_size}) is not divisible by "
-                              f"tensor_parallel_size {tp.size}")
-        inter = intermediate_size // tp.size
-        self.tp = tp
+        # experts [first_expert, first_expert + num_local_experts) are held here, in local slots 0, 1, ...
+        self.expert_parallel = tp.expert_parallel and tp.size > 1  # at one rank the flag changes nothing
+        if self.expert_parallel:
+            check_expert_split(num_experts, tp.size)
+            self.first_expert, self.num_local_experts = local_experts(num_experts, tp)
+            inter, split = intermediate_size, TensorParallel()  # whole experts: loaded unsplit
+        else:
+            if intermediate_size % tp.size:
+                raise ConfigError(f"config field moe_intermediate_size ({intermediate_size}) is not divisible by "
+                                  f"tensor_parallel_size {tp.size}")
+            self.first_expert, self.num_local_experts = 0, num_experts
+            inter, split = intermediate_size // tp.size, tp
+        self.num_experts, self.tp = num_experts, tp
+        local = self.num_local_experts
         self.blocks = None  # the stacked blocks ggml_moe runs, once loaded
         self.ops = expert_kernels(linear_method, torch.empty(0).device)  # where the model is being built
         self.collector = None
         if self.ops is not None:
-            self.collector = ExpertBlockCollector(num_experts, hidden_size, inter, tp)
+            self.collector = ExpertBlockCollector(local, hidden_size, inter, split)
             self.act_levels = activation_levels(torch.get_default_dtype(), this_cpu_tuning())
             self.register_buffer("w13", None, persistent=False)  # made only where the file's experts are float
             self.register_buffer("w2", None, persistent=False)
-            for e in range(num_experts):
-                self.add_module(str(e), _ExpertOfBlocks(self.collector, e))
-            return
-        self.register_buffer("w13", torch.empty(num_experts, 2 * inter, hidden_size), persistent=False)
-        self.register_buffer("w2", torch.empty(num_experts, hidden_size, inter), persistent=False)
+        else:
+            self.register_buffer("w13", torch.empty(local, 2 * inter, hidden_size), persistent=False)
+            self.register_buffer("w2", torch.empty(local, hidden_size, inter), persistent=False)
         for e in range(num_experts):
-            self.add_module(str(e), _Expert(self.w13[e], self.w2[e], tp))
+            slot = e - self.first_expert
+            if not 0 <= slot < local:
+                self.add_module(str(e), _OtherRanksExpert())
+            elif self.ops is not None:
+                self.add_module(str(e), _ExpertOfBlocks(self.collector, slot))
+            else:
+                self.add_module(str(e), _Expert(self.w13[slot], self.w2[slot], split))
 
     def process_weights_after_loading(self) -> None:
         """Stack the collected blocks for ggml_moe, or (experts float in the file) fill the dense weights."""
@@ -138,14 +174,38 @@ class FusedExperts(nn.Module):
             self.w2[e] = collector.dense("down", e, dtype)
         collector.loaded.clear()
 
+    def local_pairs(self, weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
+                                                                              torch.Tensor]:
+        """The (token, slot) pairs whose expert this rank holds (expert parallelism): their tokens [P], local
+        expert ids [P, 1] and weights [P, 1], P = every pair routed to a local expert."""
+        local = ids - self.first_expert
+        pairs = ((local >= 0) & (local < self.num_local_experts)).flatten().nonzero().squeeze(1)
+        return pairs // ids.shape[1], local.flatten()[pairs, None], weights.flatten()[pairs, None]
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, hidden], the router's weights and expert ids [T, k] -> the weighted sum of the chosen experts'
         outputs [T, hidden], summed over the tensor-parallel ranks."""
+        if self.expert_parallel:
+            tokens, ids, weights = self.local_pairs(weights, ids)
+            if self.blocks is not None:
+                # one row per local pair (k = 1): ggml_moe runs only this rank's experts, on only their tokens
+                out = torch.zeros_like(x)
+                if len(tokens):
+                    out.index_add_(0, tokens, self.blocks.run(self.ops, x.index_select(0, tokens), weights, ids,
+                                                              self.act_levels))
+                return self.tp.all_reduce(out)
+            return self.tp.all_reduce(self._dense(x, weights, ids, tokens))
         if self.blocks is not None:
             return self.tp.all_reduce(self.blocks.run(self.ops, x, weights, ids, self.act_levels))
+        return self.tp.all_reduce(self._dense(x, weights, ids, None))
+
+    def _dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+               tokens: torch.Tensor | None) -> torch.Tensor:
+        """The chosen experts in PyTorch, the pairs grouped by expert. tokens: each row of ids' token (None: row
+        t of ids is token t's)."""
         out = torch.zeros_like(x)
         flat = ids.flatten()
-        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+        order = torch.argsort(flat, stable=True)  # (row, slot) pairs grouped by expert
         counts = torch.bincount(flat, minlength=self.w13.shape[0]).tolist()
         start = 0
         for expert, count in enumerate(counts):
@@ -153,8 +213,10 @@ class FusedExperts(nn.Module):
                 continue
             pairs = order[start:start + count]
             start += count
-            tokens = pairs // ids.shape[1]
-            gate, up = F.linear(x[tokens], self.w13[expert]).chunk(2, dim=-1)
+            rows = pairs // ids.shape[1]
+            if tokens is not None:
+                rows = tokens[rows]
+            gate, up = F.linear(x[rows], self.w13[expert]).chunk(2, dim=-1)
             y = F.linear(F.silu(gate) * up, self.w2[expert])
-            out.index_add_(0, tokens, y * weights.flatten()[pairs, None])
-        return self.tp.all_reduce(out)
+            out.index_add_(0, rows, y * weights.flatten()[pairs, None])
+        return out
