@@ -13,6 +13,7 @@ import torch
 from qwenserve import SamplingParams
 from qwenserve.distributed.groups import free_port
 from qwenserve.engine.llm_engine import RequestsFailedError
+from qwenserve.model.layers.decode_layers import FusedDecodeLayers
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -594,3 +595,17 @@ def step_until_idle(engine) -> tuple[dict, dict]:
             outs = e.outputs
         outputs.update((o.request_id, o) for o in outs if o.finished)
     return outputs, failures
+
+
+@pytest.fixture
+def fused_steps(monkeypatch):
+    """Rows of each decode step the one-call path ran (0 for a step the modules ran)."""
+    steps = []
+    original = FusedDecodeLayers.call_for
+
+    def counting(self, attn_metadata, rows):
+        call = original(self, attn_metadata, rows)
+        steps.append(rows if call is not None else 0)
+        return call
+    monkeypatch.setattr(FusedDecodeLayers, "call_for", counting)
+    return steps

@@ -6,10 +6,9 @@ decode steps, never for prefill or under a LoRA adapter, and not where some part
 import peft
 import pytest
 import torch
-from helpers import save_gguf, tiny_hf_model
+from helpers import fused_steps, save_gguf, tiny_hf_model  # noqa: F401 (fixture fused_steps)
 
 from qwenserve import LLM, LoRARequest, SamplingParams
-from qwenserve.model.layers.decode_layers import FusedDecodeLayers
 
 PROMPTS = ["abc", "hello there, this prompt is longer than the others", "x = [1, 2, 3]\nprint(x)"]
 
@@ -24,20 +23,6 @@ def gguf_path(hf_model, tmp_path_factory):
     # llama.cpp's Q4_K_M mix for 32-weight types: more bits for v and down
     return save_gguf(hf_model, str(tmp_path_factory.mktemp("d") / "tiny.gguf"), "Q5_0",
                      {"v_proj": "Q8_0", "down_proj": "Q8_0", "lm_head": "Q8_0"})
-
-
-@pytest.fixture
-def fused_steps(monkeypatch):
-    """Rows of each step the one-call path ran (0 for a step the modules ran)."""
-    steps = []
-    original = FusedDecodeLayers.call_for
-
-    def counting(self, attn_metadata, rows):
-        call = original(self, attn_metadata, rows)
-        steps.append(rows if call is not None else 0)
-        return call
-    monkeypatch.setattr(FusedDecodeLayers, "call_for", counting)
-    return steps
 
 
 def generate(path, dtype, enforce_eager, lora_request=None, **engine):

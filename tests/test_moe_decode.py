@@ -7,11 +7,11 @@ sequence alone, in bf16 and float32; every layer is one the call runs, and the b
 whose experts are float (dense experts, run in PyTorch) keeps the modules."""
 import pytest
 import torch
-from helpers import PROMPTS, save_gguf
+from helpers import PROMPTS, fused_steps, save_gguf  # noqa: F401 (fixture fused_steps)
 from test_moe import tiny_moe
 
 from qwenserve import LLM, SamplingParams
-from qwenserve.model.layers.decode_layers import FusedDecodeLayers, runs_every_part
+from qwenserve.model.layers.decode_layers import runs_every_part
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 BATCH = PROMPTS[:3]
@@ -32,20 +32,6 @@ def moe_gguf(request, tmp_path_factory):
     kind, overrides = CASES[request.param]
     hf = tiny_moe(kind, seed=len(request.param), **overrides)
     return request.param, save_gguf(hf, str(tmp_path_factory.mktemp(request.param) / "moe.gguf"), quant="Q8_0")
-
-
-@pytest.fixture
-def fused_steps(monkeypatch):
-    """Rows of each step the one-call path ran (0 for a step the modules ran)."""
-    steps = []
-    original = FusedDecodeLayers.call_for
-
-    def counting(self, attn_metadata, rows):
-        call = original(self, attn_metadata, rows)
-        steps.append(rows if call is not None else 0)
-        return call
-    monkeypatch.setattr(FusedDecodeLayers, "call_for", counting)
-    return steps
 
 
 def answers(llm, prompts):
