@@ -199,3 +199,18 @@ def test_bundled_gguf_in_bf16_decodes_a_prompt_alone_as_the_exact_path():
         total += len(tokens)
     assert total == 64 * len(DEFAULT_PROMPTS)
     assert same >= 0.98 * total, f"{same}/{total} of the gguf path's greedy tokens are the exact path's choice"
+
+
+def test_a_gguf_file_ends_generation_at_every_end_of_turn_token():
+    """The bundled file names <|im_end|> as its EOS; <|endoftext|> ends a generation too (Qwen's
+    generation_config.json lists both, llama.cpp stops at both), so min_tokens holds both back."""
+    from qwenserve.model.loader.checkpoint import _end_of_generation_ids, open_checkpoint
+    assert open_checkpoint(None).generation_config["eos_token_id"] == [151643, 151645]
+
+    tokens = ["a", "<|endoftext|>", "<|im_end|>", "<|eot|>"]
+    assert _end_of_generation_ids({"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": [1, 3, 3, 3]},
+                                  2) == [1, 2]
+    # a plain-text token of the same spelling is not a control token: it ends nothing
+    assert _end_of_generation_ids({"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": [1, 1, 3, 3],
+                                   "tokenizer.ggml.eot_token_id": 3}, 2) == [2, 3]
+    assert _end_of_generation_ids({}, None) == []

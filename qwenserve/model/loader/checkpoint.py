@@ -160,6 +160,26 @@ _GGUF_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 EXPERT_INDEX = "{expert}"
 
 
+# Control tokens that end a generation wherever a vocabulary has them, as llama.cpp's end-of-generation set holds
+# them and as Qwen's generation_config.json lists both: a GGUF file names one EOS, and a model that ends its answer
+# with the other would otherwise run on past it (and min_tokens would not hold it back)
+END_OF_GENERATION_TOKENS = ("<|im_end|>", "<|endoftext|>")
+_CONTROL_TOKEN = 3  # tokenizer.ggml.token_type of a control token
+
+
+def _end_of_generation_ids(metadata: dict, eos_token_id: int | None) -> list[int]:
+    """The file's EOS and EOT ids and those of END_OF_GENERATION_TOKENS that its vocabulary holds as control
+    tokens."""
+    ids = {i for i in (eos_token_id, metadata.get("tokenizer.ggml.eot_token_id")) if isinstance(i, int)}
+    tokens, types = metadata.get("tokenizer.ggml.tokens") or [], metadata.get("tokenizer.ggml.token_type") or []
+    for text in END_OF_GENERATION_TOKENS:
+        if text in tokens:
+            token_id = tokens.index(text)
+            if token_id < len(types) and types[token_id] == _CONTROL_TOKEN:
+                ids.add(token_id)
+    return sorted(ids)
+
+
 def gguf_to_hf_name(name: str, layer_names: dict[str, str] | None = None) -> str:
     """blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight; unknown names are returned unchanged.
     layer_names: a model class's own layer names (gguf_layer_names), beside the common ones."""
@@ -237,7 +257,8 @@ class GGUFCheckpoint(Checkpoint):
             if "output.weight" not in self.file.tensors:  # no separate LM head: it is the embedding
                 config = dataclasses.replace(config, tie_word_embeddings=True)
             config = dataclasses.replace(config, attention_bias="blk.0.attn_q.bias" in self.file.tensors)
-        generation = {"eos_token_id": config.eos_token_id} if config.eos_token_id is not None else {}
+        eos = _end_of_generation_ids(self.file.metadata, config.eos_token_id)
+        generation = {"eos_token_id": eos} if eos else {}
         super().__init__(path, model_id or os.path.basename(path), config,
                          "llama.cpp GGUF names (blk.N.attn_q.weight, ...)", generation)
         model_class = model_class or MODEL_REGISTRY.model_class(config.architectures[0])
