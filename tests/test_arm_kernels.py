@@ -123,3 +123,31 @@ def test_dispatch_compiles_for_arm():
     for stale in _cache_dir().glob("dispatch_*.ok"):
         stale.unlink(missing_ok=True)
     stamp.touch()
+
+
+# the instructions each feature set's int8 roof loop (roof.cpp) must run: those of its int8 tile kernel
+ROOF_INSTRUCTIONS = {"armv8": ["smull", "smull2", "sadalp"], "armv8_dotprod": ["sdot"], "armv8_i8mm": ["smmla"]}
+
+
+@pytest.mark.parametrize("name", sorted(FEATURE_SETS))
+def test_int8_roof_compiles_for_arm(name):
+    """roof.cpp, with PyTorch's headers, compiles for aarch64 with the library's optimization, and its loop runs
+    the feature set's own int8 instructions (the assembly names them; no ARM CPU here to time them on)."""
+    _require_tools()
+    from torch.utils.cpp_extension import include_paths
+
+    flags = FEATURE_SETS[name][0]
+    stamp = _cache_dir() / f"roof_{name}_{_sources_tag(CXX, flags, *include_paths())}.ok"
+    if stamp.exists():
+        return
+    cmd = [CXX, "-std=c++17", *sources.COMMON_CFLAGS, "-S", "-o", "-", "-w", flags,
+           *(f"-I{p}" for p in include_paths()), f"-I{CPU}", "-DQS_OPS_NAMESPACE=qwenserve_arm_check",
+           str(CPU / "roof.cpp")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"roof.cpp does not compile for aarch64 ({flags}):\n{proc.stderr[-6000:]}"
+    words = set(proc.stdout.split())
+    for instruction in ROOF_INSTRUCTIONS[name]:
+        assert instruction in words, f"{name}: the int8 roof loop has no {instruction} instruction"
+    for stale in _cache_dir().glob(f"roof_{name}_*.ok"):
+        stale.unlink(missing_ok=True)
+    stamp.touch()

@@ -124,13 +124,27 @@ def test_bench_ppl_agreement_is_the_share_of_equal_top1_predictions(tmp_path, ca
 
 @pytest.mark.slow
 def test_bench_kernels_times_every_weight_shape(ops, tmp_path, capsys):
-    """One row per (layer kind, block types, shape) and M, each variant's time turned into GB/s and GFLOP/s."""
+    """One row per (layer kind, block types, shape) and M, each variant's time turned into GB/s and GFLOP/s; the
+    int8 roof of the kernel variant, and ours' share of it from 16 rows."""
+    from qwenserve.benchmarks.kernels import format_table
+
     hf = tiny_hf_model(seed=63, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
     path = save_hf_dir(hf, str(tmp_path / "m"))
     assert main(["bench", "kernels", "--model", path, "--dtype", "float32", "--quantization", "int4",
-                 "--rows", "1", "8", "--json"]) == 0
+                 "--rows", "1", "16", "--json"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["quantization"] == "int4" and result["read_bandwidth_GBps"] > 0
+    roof = result["int8_roof"]
+    assert roof["instructions"] and roof["per_core_GOPs"] > 0 and roof["all_threads_GOPs"] > 0, roof
+    for entry in result["shapes"]:
+        assert ("% roof" in entry) == (entry["M"] >= 16), entry
+        if entry["M"] >= 16:
+            assert entry["% roof"] > 0, entry
+    table = format_table(result).splitlines()
+    assert f"int8 roof {roof['per_core_GOPs']} GOP/s per core" in table[0] and roof["instructions"] in table[0]
+    assert table[2].endswith("| % roof |")
+    columns = table[2].count("|")  # a cell's own "\\|" escapes its pipe from the table's
+    assert all(line.replace("\\|", "").count("|") == columns for line in table[4:])
     shapes = {(e["layer"], e["types"], e["out"], e["in"]) for e in result["shapes"]}
     assert shapes == {("qkv_proj", "Q4_1", 256, 128), ("o_proj", "Q4_1", 128, 128),
                       ("gate_up_proj", "Q4_1", 512, 128), ("down_proj", "Q4_1", 128, 256),

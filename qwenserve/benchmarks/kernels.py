@@ -1,5 +1,7 @@
-"""`qwenserve bench kernels`: every weight shape of the loaded model at M = 1, 8, 32, 512 rows, our layer's
-matmul against the alternatives, as GB/s of weight bytes read and GFLOP/s, beside the machine's read bandwidth.
+"""`qwenserve bench kernels`: every weight shape of the loaded model at M = 1, 16, 128, 1024 rows, our layer's
+matmul against the alternatives, as GB/s of weight bytes read and GFLOP/s, beside the machine's read bandwidth and
+its int8 roof: the rate of a register-only loop of the int8 multiply-adds our tile kernels run (the kernel
+variant's `int8_roof` op, kernels/cpu/roof.cpp), per core and on all threads.
 
 Rows: one per distinct (layer kind, block types, out x in) of the model. Columns per M:
 - `ours`: the layer's own apply (ggml_mm on its blocks, or dequantize + dense from dense_from_rows rows);
@@ -10,7 +12,10 @@ Rows: one per distinct (layer kind, block types, out x in) of the model. Columns
 - `fp32`: F.linear in float32;
 - `int8pack`: torch's `_weight_int8pack_mm` (int8 per output channel);
 - `int4pack`: torch's `_weight_int4pack_mm_for_cpu` (int4, groups of 128) where the shape allows.
-GB/s counts the bytes of weight each variant reads per call (its own format); decode (M=1) is bound by them."""
+GB/s counts the bytes of weight each variant reads per call (its own format); decode (M=1) is bound by them.
+`% roof`, from ROOF_MIN_ROWS rows, where the tile kernels run: `ours`' GFLOP/s (2 M N K) over the all-threads roof in
+GOP/s (2 per int8 multiply-add), how far the layer is from what the int8 instructions allow; the roof leaves out
+the weight decoding, scaling and float sums the quantized layers also do."""
 from __future__ import annotations
 
 import itertools
@@ -20,13 +25,16 @@ import torch
 import torch.nn.functional as F
 
 from qwenserve.config.engine_config import EngineConfig
-from qwenserve.kernels import use_cpu_kernels
+from qwenserve.kernels import cpu_ops_for, use_cpu_kernels
 from qwenserve.model.layers.linear import cpu_weight_packing_available
 from qwenserve.model.loader.ggml_tensor import GGMLTensor
 from qwenserve.model.loader.model_loader import load_model
 from qwenserve.model.loader.resolve import resolve_model
 
-ROWS = (1, 8, 32, 512)
+# decode, and prefill chunks at the sizes the tile kernels are tuned for (16, 128) and beyond (1024)
+ROWS = (1, 16, 128, 1024)
+# below this many rows the layers run the one-row and few-row dot products, which the roof does not describe
+ROOF_MIN_ROWS = 16
 
 
 def timed(fn, min_seconds: float = 0.3, max_calls: int = 200) -> float:
@@ -46,6 +54,21 @@ def read_bandwidth(gib: float = 1.0) -> float:
     buf = torch.ones(int(gib * (1 << 30)) // 4)
     seconds = min(timed(buf.sum, min_seconds=0.5) for _ in range(3))
     return buf.numel() * 4 / seconds / 1e9
+
+
+def int8_roof(seconds: float = 0.3) -> dict | None:
+    """The chosen kernel variant's int8 roof: the instructions its loop ran, GOP/s on one thread and on all of
+    torch's threads, and the same for the AMX tile multiplies where ggml_mm runs them; None without our kernels."""
+    ops = cpu_ops_for("cpu")
+    if ops is None:
+        return None
+    per_core, all_threads, name = ops.int8_roof(0, seconds)
+    roof = {"instructions": name, "per_core_GOPs": _figure(per_core), "all_threads_GOPs": _figure(all_threads)}
+    if ops.ggml_amx_tiles():
+        per_core, all_threads, name = ops.int8_roof(0, seconds, True)
+        roof["amx"] = {"instructions": name, "per_core_GOPs": _figure(per_core),
+                       "all_threads_GOPs": _figure(all_threads)}
+    return roof
 
 
 def weight_shapes(model) -> dict[tuple, list[torch.nn.Module]]:
@@ -108,6 +131,7 @@ def bench_kernels(config: EngineConfig, rows: tuple[int, ...] = ROWS) -> dict:
     resolved = resolve_model(load)
     with use_cpu_kernels(load.cpu_kernels, load.cpu_isa):
         model = load_model(resolved, load.device)
+        roof = int8_roof() if torch.device(load.device).type == "cpu" else None
     bandwidth = read_bandwidth()
     results = []
     with torch.inference_mode():
@@ -124,9 +148,12 @@ def bench_kernels(config: EngineConfig, rows: tuple[int, ...] = ROWS) -> dict:
                     seconds = timed(lambda: fn(x))
                     entry[name] = {"ms": _figure(seconds * 1e3), "GB/s": _figure(nbytes / seconds / 1e9),
                                    "GFLOP/s": _figure(2 * m * out_features * in_features / seconds / 1e9)}
+                if roof is not None and m >= ROOF_MIN_ROWS:
+                    entry["% roof"] = _figure(100 * entry["ours"]["GFLOP/s"] / roof["all_threads_GOPs"])
                 results.append(entry)
     return {"quantization": resolved.quantization, "dtype": str(resolved.dtype).removeprefix("torch."),
-            "read_bandwidth_GBps": round(bandwidth, 2), "threads": torch.get_num_threads(), "shapes": results}
+            "read_bandwidth_GBps": round(bandwidth, 2), "int8_roof": roof, "threads": torch.get_num_threads(),
+            "shapes": results}
 
 
 def _figure(value: float) -> float:
@@ -138,12 +165,24 @@ def _figure(value: float) -> float:
 def format_table(result: dict) -> str:
     names = ["ours", "ours_in_turn", "dense", "fp32", "int8pack", "int4pack"]
     lines = [f"quantization {result['quantization']}, dtype {result['dtype']}, {result['threads']} threads, "
-             f"measured read bandwidth {result['read_bandwidth_GBps']} GB/s",
-             "ms per call (GB/s of weights read | GFLOP/s)",
-             "| layer | types | out x in (layers) | M | " + " | ".join(names) + " |",
-             "|---" * (4 + len(names)) + "|"]
+             f"measured read bandwidth {result['read_bandwidth_GBps']} GB/s, {_roof_line(result.get('int8_roof'))}",
+             "ms per call (GB/s of weights read | GFLOP/s); % roof: ours' GFLOP/s over the all-threads int8 roof",
+             "| layer | types | out x in (layers) | M | " + " | ".join(names) + " | % roof |",
+             "|---" * (5 + len(names)) + "|"]
     for e in result["shapes"]:
         cells = [f"{e[n]['ms']} ({e[n]['GB/s']} \\| {e[n]['GFLOP/s']})" if n in e else "-" for n in names]
+        cells.append(str(e["% roof"]) if "% roof" in e else "-")
         lines.append(f"| {e['layer']} | {e['types']} | {e['out']} x {e['in']} ({e['layers']}) | {e['M']} | "
                      + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _roof_line(roof: dict | None) -> str:
+    if roof is None:
+        return "int8 roof: - (no CPU kernels)"
+    line = (f"int8 roof {roof['per_core_GOPs']} GOP/s per core, {roof['all_threads_GOPs']} GOP/s all threads "
+            f"({roof['instructions']})")
+    if "amx" in roof:
+        amx = roof["amx"]
+        line += f", AMX {amx['per_core_GOPs']} / {amx['all_threads_GOPs']} GOP/s ({amx['instructions']})"
+    return line

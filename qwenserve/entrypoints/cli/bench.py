@@ -77,8 +77,8 @@ def register(sub) -> None:
     kern = bench_sub.add_parser("kernels", help="every weight shape of the model: our matmul against the alternatives")
     add_engine_args(kern, only=("model", "dtype", "max_model_len", "device", "quantization", "cpu_kernels",
                                 "cpu_isa"))
-    kern.add_argument("--rows", type=positive_int, nargs="+", default=[1, 8, 32, 512],
-                      help="batch rows M to time (default: 1 8 32 512)")
+    kern.add_argument("--rows", type=positive_int, nargs="+", default=[1, 16, 128, 1024],
+                      help="batch rows M to time (default: 1 16 128 1024)")
     kern.add_argument("--json", action="store_true")
 
     ar = bench_sub.add_parser("allreduce", help="one all-reduce between worker processes on this host, per message "

@@ -38,6 +38,8 @@ QS_TORCH_LIBRARY(QS_OPS_NAMESPACE, m) {
   m.def("ggml_allow_amx(bool allow) -> ()", &qwenserve::cpu::ggml_allow_amx);
   m.def("ggml_moe(Tensor x, Tensor ids, Tensor weights, Tensor gate, int gate_type, Tensor? up, int up_type, "
         "Tensor down, int down_type, int group=1, int act_levels=1) -> Tensor");
+  m.def("int8_roof(int threads=0, float seconds=0.2, bool amx=False) -> (float, float, str)",
+        &qwenserve::cpu::int8_roof);
   using qwenserve::cpu::DecodeLayers;
   m.class_<DecodeLayers>("DecodeLayers")
       .def(torch::init<int64_t, int64_t, int64_t, double, double, int64_t, at::Tensor>())

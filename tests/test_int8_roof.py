@@ -1,0 +1,80 @@
+"""The int8 roof (kernels/cpu/roof.cpp): each kernel variant's op times the loop of its own tile kernel's int8
+instructions and returns positive rates with their name. Functional only: the rates are not compared with any
+figure, since a shared machine may run them at any speed."""
+import math
+import os
+import shutil
+
+import pytest
+
+from qwenserve import kernels
+from qwenserve.config.cpu_variants import machine_arch, missing_flags, this_cpu_flags, variants_for
+
+# variant -> how the name of its loop starts: the instructions its int8 tile kernel runs (ggml/dispatch.cpp)
+INSTRUCTIONS = {
+    "x86_64": "C++ int8 dot loop",
+    "avx2": "vpmaddubsw+vpmaddwd+vpaddd ymm",
+    "avx_vnni": "vpdpbusd ymm",
+    "avx512": "vpmaddubsw+vpmaddwd+vpaddd ymm",  # no VNNI: the 256-bit tiles' maddubs pair
+    "avx512_vnni": "vpdpbusd zmm",
+    "avx512_bf16": "vpdpbusd zmm",
+    "armv8": "smull+smull2+sadalp",
+    "armv8_dotprod": "sdot",
+    "armv8_i8mm": "smmla",
+}
+
+
+def _variant_params():
+    """Every variant of this architecture; those beyond the one this process runs by default compile libraries of
+    their own where none is prebuilt (marked `kernels`)."""
+    default = kernels.chosen_variant()
+    return [pytest.param(v, id=v.name, marks=() if v == default else pytest.mark.kernels)
+            for v in variants_for(machine_arch())]
+
+
+def _variant_ops(variant):
+    if os.environ.get("QWENSERVE_CPU_KERNELS") == "0":
+        pytest.skip("CPU kernels switched off by QWENSERVE_CPU_KERNELS=0")
+    missing = missing_flags(variant, this_cpu_flags())
+    if missing:
+        pytest.skip(f"this CPU lacks {', '.join(missing)}, which the {variant.name} variant needs")
+    ops = kernels.variant_ops(variant)
+    if ops is None and shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C++ compiler here to build the variant, and no prebuilt library of it")
+    assert ops is not None, f"the {variant.name} kernels are unavailable (qwenserve.kernels logs why)"
+    return ops
+
+
+def test_every_variant_has_its_instructions_named():
+    assert set(INSTRUCTIONS) == {v.name for arch in ("x86_64", "aarch64") for v in variants_for(arch)}
+
+
+@pytest.mark.parametrize("variant", _variant_params() or [pytest.param(None, id="none")])
+def test_int8_roof_times_the_variants_own_instructions(variant):
+    if variant is None:
+        pytest.skip(f"no kernel variants for {machine_arch()}")
+    ops = _variant_ops(variant)
+    per_core, all_threads, name = ops.int8_roof(0, 0.05)
+    assert name.startswith(INSTRUCTIONS[variant.name]), (variant.name, name)
+    assert math.isfinite(per_core) and per_core > 0
+    assert math.isfinite(all_threads) and all_threads > 0
+    # loose: a busy machine may give the threads less than a core each, never far less than one core in all
+    assert all_threads >= 0.5 * per_core, (per_core, all_threads)
+    one = ops.int8_roof(1, 0.05)
+    assert one[2] == name and one[0] > 0 and one[1] > 0
+
+
+def test_int8_roof_amx_only_where_the_kernels_run_it(ops):
+    if ops.ggml_amx_tiles():
+        per_core, all_threads, name = ops.int8_roof(0, 0.05, True)
+        assert name.startswith("tdpbsud+tdpbssd") and per_core > 0 and all_threads > 0
+    else:
+        with pytest.raises(RuntimeError, match="AMX"):
+            ops.int8_roof(0, 0.05, True)
+
+
+def test_int8_roof_checks_its_arguments(ops):
+    with pytest.raises(RuntimeError, match="threads"):
+        ops.int8_roof(-1, 0.05)
+    with pytest.raises(RuntimeError, match="seconds"):
+        ops.int8_roof(0, 0.0)
