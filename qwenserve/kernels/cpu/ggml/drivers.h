@@ -7,6 +7,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
@@ -162,8 +163,15 @@ void mm_quantized(T* out, int64_t ldo, int64_t levels, const std::vector<typenam
 #endif
 #if QS_X86_AVX2 || QS_ARM_NEON
   if (w.group == kDecodeGroup) {  // a group of 8 weight rows at a time, against up to 4 activation rows
-    at::parallel_for(0, N / 8, 2, [&](int64_t g0, int64_t g1) {
-      for (int64_t g = g0; g < g1; ++g)
+    // groups handed out in chunks as threads ask for them: on a shared host one core may run slower for a while,
+    // and an even split leaves the other waiting at the end of every matmul
+    const int64_t groups = N / 8, threads = at::get_num_threads();
+    const int64_t chunk = std::max<int64_t>(2, groups / (threads * 8));
+    const int64_t chunks = (groups + chunk - 1) / chunk;
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+      for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;)
+      for (int64_t g = c * chunk, g1 = std::min(groups, g + chunk); g < g1; ++g)
         for (int64_t m0 = 0; m0 < M; m0 += 4) {
           const int r = static_cast<int>(std::min<int64_t>(4, M - m0));
           const Act* y[4];
