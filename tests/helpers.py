@@ -4,13 +4,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import time
 
 import numpy as np
 import pytest
 import torch
 
-from qwenserve import SamplingParams
+from qwenserve import SamplingParams, kernels
+from qwenserve.config.cpu_variants import machine_arch, missing_flags, this_cpu_flags, variants_for
 from qwenserve.distributed.groups import free_port
 from qwenserve.engine.llm_engine import RequestsFailedError
 from qwenserve.model.layers.decode_layers import FusedDecodeLayers
@@ -609,3 +611,25 @@ def fused_steps(monkeypatch):
         return call
     monkeypatch.setattr(FusedDecodeLayers, "call_for", counting)
     return steps
+
+
+def variant_params():
+    """Every kernel variant of this architecture, as pytest params; those beyond the one this process runs by
+    default compile libraries of their own where none is prebuilt (marked `kernels`)."""
+    default = kernels.chosen_variant()
+    return [pytest.param(v, id=v.name, marks=() if v == default else pytest.mark.kernels)
+            for v in variants_for(machine_arch())]
+
+
+def variant_ops(variant):
+    """The ops of a kernel variant, or a skip naming why this machine cannot run it."""
+    if os.environ.get("QWENSERVE_CPU_KERNELS") == "0":
+        pytest.skip("CPU kernels switched off by QWENSERVE_CPU_KERNELS=0")
+    missing = missing_flags(variant, this_cpu_flags())
+    if missing:
+        pytest.skip(f"this CPU lacks {', '.join(missing)}, which the {variant.name} variant needs")
+    ops = kernels.variant_ops(variant)
+    if ops is None and shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C++ compiler here to build the variant, and no prebuilt library of it")
+    assert ops is not None, f"the {variant.name} kernels are unavailable (qwenserve.kernels logs why)"
+    return ops

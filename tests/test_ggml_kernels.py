@@ -2,17 +2,15 @@
 ggml_mm (a linear layer on quantized weights, activations quantized per row to q8_0 / q8_K as ggml does) against a
 float64 reference of the same quantization, and against F.linear on the dequantized weight; every test runs once per
 kernel variant this CPU runs (config/cpu_variants.py), and each variant is checked against the baseline build."""
-import os
-import shutil
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from helpers import variant_ops, variant_params
 
-from qwenserve import kernels
-from qwenserve.config.cpu_variants import machine_arch, missing_flags, this_cpu_flags, variants_for
+from qwenserve.config.cpu_variants import machine_arch, this_cpu_flags, variants_for
 from qwenserve.model.loader.dequant import dequantize
 from qwenserve.model.loader.ggml_tensor import DECODE_GROUP, GGMLTensor
 
@@ -25,27 +23,7 @@ VARIANTS = variants_for(machine_arch())
 BASELINE = VARIANTS[0] if VARIANTS else None  # built for every CPU of the architecture: the scalar reference's
 
 
-def _variant_params():
-    """Every variant of this architecture; those beyond the one this process runs by default compile libraries of
-    their own where none is prebuilt (marked `kernels`)."""
-    default = kernels.chosen_variant()
-    return [pytest.param(v, id=v.name, marks=() if v == default else pytest.mark.kernels) for v in VARIANTS]
-
-
-def _variant_ops(variant):
-    if os.environ.get("QWENSERVE_CPU_KERNELS") == "0":
-        pytest.skip("CPU kernels switched off by QWENSERVE_CPU_KERNELS=0")
-    missing = missing_flags(variant, this_cpu_flags())
-    if missing:
-        pytest.skip(f"this CPU lacks {', '.join(missing)}, which the {variant.name} variant needs")
-    ops = kernels.variant_ops(variant)
-    if ops is None and shutil.which(os.environ.get("CXX", "c++")) is None:
-        pytest.skip("no C++ compiler here to build the variant, and no prebuilt library of it")
-    assert ops is not None, f"the {variant.name} kernels are unavailable (qwenserve.kernels logs why)"
-    return ops
-
-
-@pytest.fixture(scope="module", params=_variant_params() or [pytest.param(None, id="none")])
+@pytest.fixture(scope="module", params=variant_params() or [pytest.param(None, id="none")])
 def variant(request):
     """Each kernel variant of this architecture the CPU runs, in turn; the ones it cannot run skip with the CPU
     flags they need."""
@@ -57,13 +35,13 @@ def variant(request):
 @pytest.fixture(scope="module")
 def ops(variant):
     """The variant's kernels (this module's tests run once per variant)."""
-    return _variant_ops(variant)
+    return variant_ops(variant)
 
 
 @pytest.fixture(scope="module")
 def baseline_ops():
     """The baseline variant's kernels: the scalar reference with no arch/ kernels compiled in."""
-    return _variant_ops(BASELINE)
+    return variant_ops(BASELINE)
 
 
 

@@ -2,13 +2,11 @@
 instructions and returns positive rates with their name. Functional only: the rates are not compared with any
 figure, since a shared machine may run them at any speed."""
 import math
-import os
-import shutil
 
 import pytest
+from helpers import variant_ops, variant_params
 
-from qwenserve import kernels
-from qwenserve.config.cpu_variants import machine_arch, missing_flags, this_cpu_flags, variants_for
+from qwenserve.config.cpu_variants import machine_arch, variants_for
 
 # variant -> how the name of its loop starts: the instructions its int8 tile kernel runs (ggml/dispatch.cpp)
 INSTRUCTIONS = {
@@ -24,36 +22,15 @@ INSTRUCTIONS = {
 }
 
 
-def _variant_params():
-    """Every variant of this architecture; those beyond the one this process runs by default compile libraries of
-    their own where none is prebuilt (marked `kernels`)."""
-    default = kernels.chosen_variant()
-    return [pytest.param(v, id=v.name, marks=() if v == default else pytest.mark.kernels)
-            for v in variants_for(machine_arch())]
-
-
-def _variant_ops(variant):
-    if os.environ.get("QWENSERVE_CPU_KERNELS") == "0":
-        pytest.skip("CPU kernels switched off by QWENSERVE_CPU_KERNELS=0")
-    missing = missing_flags(variant, this_cpu_flags())
-    if missing:
-        pytest.skip(f"this CPU lacks {', '.join(missing)}, which the {variant.name} variant needs")
-    ops = kernels.variant_ops(variant)
-    if ops is None and shutil.which(os.environ.get("CXX", "c++")) is None:
-        pytest.skip("no C++ compiler here to build the variant, and no prebuilt library of it")
-    assert ops is not None, f"the {variant.name} kernels are unavailable (qwenserve.kernels logs why)"
-    return ops
-
-
 def test_every_variant_has_its_instructions_named():
     assert set(INSTRUCTIONS) == {v.name for arch in ("x86_64", "aarch64") for v in variants_for(arch)}
 
 
-@pytest.mark.parametrize("variant", _variant_params() or [pytest.param(None, id="none")])
+@pytest.mark.parametrize("variant", variant_params() or [pytest.param(None, id="none")])
 def test_int8_roof_times_the_variants_own_instructions(variant):
     if variant is None:
         pytest.skip(f"no kernel variants for {machine_arch()}")
-    ops = _variant_ops(variant)
+    ops = variant_ops(variant)
     per_core, all_threads, name = ops.int8_roof(0, 0.05)
     assert name.startswith(INSTRUCTIONS[variant.name]), (variant.name, name)
     assert math.isfinite(per_core) and per_core > 0
