@@ -20,6 +20,7 @@ from collections import OrderedDict
 import numpy as np
 
 from qwenserve.config.errors import RequestError
+from qwenserve.model.loader.tokenizer import END_OF_TURN
 from qwenserve.sample.free_prefix import opening_masks
 from qwenserve.sample.structured_outputs import FIELD, StructuredOutputsParams
 
@@ -29,8 +30,6 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 ANY_JSON_OBJECT = '{"type": "object"}'
 MAX_ERROR_CHARS = 600  # llguidance's messages can quote a whole grammar back
 CACHE_SIZE = 256  # compiled grammars kept (each a few hundred KB at most for typical schemas)
-# what Qwen's chat templates (Qwen2, Qwen2.5, Qwen3) end a turn with, and the end of text a model may write instead
-END_OF_TURN = ("<|im_end|>", "<|endoftext|>")
 
 
 def grammar_text(key: tuple[str, str]) -> str:

@@ -24,7 +24,7 @@ from qwenserve.model.loader import bundled
 from qwenserve.model.loader.dequant import dequantize
 from qwenserve.model.loader.ggml_tensor import GGMLTensor
 from qwenserve.model.loader.gguf_file import GGUFFile
-from qwenserve.model.loader.tokenizer import load_hf_tokenizer, tokenizer_from_gguf
+from qwenserve.model.loader.tokenizer import END_OF_TURN, load_hf_tokenizer, tokenizer_from_gguf
 from qwenserve.model.registry import MODEL_REGISTRY
 
 logger = logging.getLogger(__name__)
@@ -160,19 +160,16 @@ _GGUF_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 EXPERT_INDEX = "{expert}"
 
 
-# Control tokens that end a generation wherever a vocabulary has them, as llama.cpp's end-of-generation set holds
-# them and as Qwen's generation_config.json lists both: a GGUF file names one EOS, and a model that ends its answer
-# with the other would otherwise run on past it (and min_tokens would not hold it back)
-END_OF_GENERATION_TOKENS = ("<|im_end|>", "<|endoftext|>")
 _CONTROL_TOKEN = 3  # tokenizer.ggml.token_type of a control token
 
 
 def _end_of_generation_ids(metadata: dict, eos_token_id: int | None) -> list[int]:
-    """The file's EOS and EOT ids and those of END_OF_GENERATION_TOKENS that its vocabulary holds as control
-    tokens."""
+    """The file's EOS and EOT ids and those of END_OF_TURN that its vocabulary holds as control tokens, as llama.cpp's
+    end-of-generation set has them: a GGUF file names one EOS, and a model that ends its answer with the other would
+    otherwise run on past it (and min_tokens would not hold it back)."""
     ids = {i for i in (eos_token_id, metadata.get("tokenizer.ggml.eot_token_id")) if isinstance(i, int)}
     tokens, types = metadata.get("tokenizer.ggml.tokens") or [], metadata.get("tokenizer.ggml.token_type") or []
-    for text in END_OF_GENERATION_TOKENS:
+    for text in END_OF_TURN:
         if text in tokens:
             token_id = tokens.index(text)
             if token_id < len(types) and types[token_id] == _CONTROL_TOKEN:

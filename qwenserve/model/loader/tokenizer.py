@@ -7,6 +7,10 @@ from __future__ import annotations
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
 from tokenizers.models import BPE
 
+# What Qwen's chat templates (Qwen2, Qwen2.5, Qwen3) end a turn with, and the end of text a model may write
+# instead: both end a generation (Qwen's generation_config.json lists both) and let a grammar end
+END_OF_TURN = ("<|im_end|>", "<|endoftext|>")
+
 # The split Qwen2's tokenizer.json uses before byte-level BPE (llama.cpp's pre-tokenizer "qwen2")
 QWEN2_SPLIT_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                      r"|\s*[\r\n]+|\s+(?!\S)|\s+")
