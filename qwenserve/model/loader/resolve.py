@@ -11,7 +11,7 @@ from qwenserve.config.engine_config import LoadConfig
 from qwenserve.config.errors import ConfigError
 from qwenserve.config.model_config import resolve_dtype
 from qwenserve.config.resolved_model import ResolvedModel
-from qwenserve.model.layers.quantization import QUANTIZATIONS, QuantizationScheme, quantization_scheme
+from qwenserve.model.layers.quantization import METHODS, QuantizationScheme, quantization_scheme
 from qwenserve.model.loader.checkpoint import Checkpoint, open_checkpoint, reopen_checkpoint
 from qwenserve.model.registry import MODEL_REGISTRY
 
@@ -40,22 +40,23 @@ def load_tokenizer(resolved: ResolvedModel):
 
 
 def resolve_quantization(requested: str | None, checkpoint: Checkpoint) -> str:
-    """The quantization method to run: the one asked for, else the checkpoint's own (gguf for a GGUF file, awq or
-    gptq from config.json's quantization_config). int8 and int4 quantize dense weights (or a GGUF file's,
-    dequantized) at load; awq and gptq run only their own checkpoints."""
+    """The quantization method to run: the one asked for, else the checkpoint's own (gguf for a GGUF file, the
+    quant_method of config.json's quantization_config). What each method runs on is its registry entry's
+    (layers/quantization/__init__.py): int8, int4 and fp8 quantize dense weights (or a GGUF file's, dequantized)
+    at load; a checkpoint stored by an exclusive method (awq, gptq, fp8, compressed-tensors) runs with it only."""
     native = checkpoint.native_quantization
-    if native not in QUANTIZATIONS:
+    if native not in METHODS:
+        loads = ", ".join(name for name, method in METHODS.items() if method.in_config)
         raise ConfigError(f"{checkpoint.path} holds {native!r}-quantized weights (quantization_config in "
-                          f"config.json), which qwenserve does not load; it loads: awq, gptq")
+                          f"config.json), which qwenserve does not load; it loads: {loads}")
     choice = native if requested is None else str(requested).lower()
-    if choice not in QUANTIZATIONS:
-        raise ConfigError(f"quantization {requested!r} is not supported; use one of {', '.join(QUANTIZATIONS)}")
-    if choice == "gguf" and native != "gguf":
-        raise ConfigError(f"quantization gguf runs a GGUF file's blocks, but {checkpoint.path} is not a GGUF file")
-    if choice in ("awq", "gptq") and native != choice:
-        raise ConfigError(f"quantization {choice} loads {choice.upper()} checkpoints, but {checkpoint.path} is "
-                          + ("not quantized" if native == "none" else f"{native}-quantized"))
-    if native in ("awq", "gptq") and choice != native:
+    if choice not in METHODS:
+        raise ConfigError(f"quantization {requested!r} is not supported; use one of {', '.join(METHODS)}")
+    own = METHODS[choice].own_checkpoints
+    if own is not None and native != choice:
+        what = "not quantized" if native == "none" else f"{native}-quantized"
+        raise ConfigError(own.format(name=choice, path=checkpoint.path, what=what))
+    if METHODS[native].exclusive and choice != native:
         raise ConfigError(f"{checkpoint.path} is a {native.upper()} checkpoint: it runs with quantization "
                           f"{native} only, not {choice}")
     checked_quantization_scheme(choice, checkpoint.quantization_config, checkpoint.path)  # fails here, not in a worker

@@ -1,6 +1,11 @@
-"""How a model's weights are held (the `quantization` engine argument), as linear methods per kind of layer."""
+"""How a model's weights are held (the `quantization` engine argument), as linear methods per kind of layer.
+
+Each quantization name has one entry in METHODS: how it builds its scheme from the checkpoint's
+quantization_config, and which checkpoints it runs on. Resolving a name (loader/resolve.py) reads only these
+entries, so a new method is one `register` line here and its own module."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from qwenserve.model.layers.linear import LinearMethod
@@ -8,8 +13,6 @@ from qwenserve.model.layers.quantization.awq import AWQLinearMethod
 from qwenserve.model.layers.quantization.gguf import KERNEL_TYPES, GGUFLinearMethod
 from qwenserve.model.layers.quantization.gptq import GPTQLinearMethod
 from qwenserve.model.layers.quantization.rtn import Int4LinearMethod, Int8LinearMethod
-
-QUANTIZATIONS = ("none", "gguf", "int8", "int4", "awq", "gptq")
 
 
 @dataclass(frozen=True)
@@ -22,22 +25,64 @@ class QuantizationScheme:
     embedding_blocks: bool = False
 
 
+@dataclass(frozen=True)
+class QuantizationMethod:
+    """One quantization name.
+
+    build: the scheme, from the checkpoint's quantization_config ({} for a dense checkpoint or a GGUF file).
+    own_checkpoints: None where the method quantizes dense weights at load (or runs none); else what it needs, as
+        the sentence that refuses another checkpoint, with {path} and {what} (`not quantized`, `fp8-quantized`).
+    exclusive: whether a checkpoint stored this way runs with this quantization only.
+    in_config: whether config.json's quantization_config names checkpoints of it (quant_method)."""
+    build: Callable[[dict], QuantizationScheme]
+    own_checkpoints: str | None = None
+    exclusive: bool = False
+    in_config: bool = False
+
+
+METHODS: dict[str, QuantizationMethod] = {}
+
+
+def register(name: str, method: QuantizationMethod) -> None:
+    if name in METHODS:
+        raise ValueError(f"quantization {name!r} is registered twice")
+    METHODS[name] = method
+
+
+def _own(fmt: str) -> str:
+    return f"quantization {{name}} loads {fmt} checkpoints, but {{path}} is {{what}}"
+
+
+def _int4(config: dict) -> QuantizationScheme:
+    # the head's rounding errors go straight into every logit: it stays in int8, as llama.cpp's Q4 mixes keep
+    # their output tensor in 6 or 8 bits
+    return QuantizationScheme(Int4LinearMethod(), Int8LinearMethod())
+
+
+def _gguf(config: dict) -> QuantizationScheme:
+    method = GGUFLinearMethod()
+    return QuantizationScheme(method, method, KERNEL_TYPES, embedding_blocks=True)
+
+
+def _int8(config: dict) -> QuantizationScheme:
+    method = Int8LinearMethod()
+    return QuantizationScheme(method, method)
+
+
+register("none", QuantizationMethod(lambda config: QuantizationScheme()))
+register("gguf", QuantizationMethod(_gguf, "quantization gguf runs a GGUF file's blocks, but {path} is not a GGUF "
+                                           "file"))
+register("int8", QuantizationMethod(_int8))
+register("int4", QuantizationMethod(_int4))
+# AWQ and GPTQ checkpoints keep the LM head dense
+register("awq", QuantizationMethod(lambda config: QuantizationScheme(AWQLinearMethod.from_config(config)),
+                                   _own("AWQ"), exclusive=True, in_config=True))
+register("gptq", QuantizationMethod(lambda config: QuantizationScheme(GPTQLinearMethod.from_config(config)),
+                                    _own("GPTQ"), exclusive=True, in_config=True))
+
+
 def quantization_scheme(name: str, quantization_config: dict | None = None) -> QuantizationScheme:
-    """The scheme for a resolved quantization name; quantization_config is the checkpoint's (awq, gptq)."""
-    if name == "none":
-        return QuantizationScheme()
-    if name == "gguf":
-        method = GGUFLinearMethod()
-        return QuantizationScheme(method, method, KERNEL_TYPES, embedding_blocks=True)
-    if name == "int8":
-        method = Int8LinearMethod()
-        return QuantizationScheme(method, method)
-    if name == "int4":
-        # the head's rounding errors go straight into every logit: it stays in int8, as llama.cpp's Q4 mixes keep
-        # their output tensor in 6 or 8 bits
-        return QuantizationScheme(Int4LinearMethod(), Int8LinearMethod())
-    if name == "awq":  # AWQ and GPTQ checkpoints keep the LM head dense
-        return QuantizationScheme(AWQLinearMethod.from_config(quantization_config or {}))
-    if name == "gptq":
-        return QuantizationScheme(GPTQLinearMethod.from_config(quantization_config or {}))
-    raise ValueError(f"unknown quantization {name!r}")
+    """The scheme for a resolved quantization name; quantization_config is the checkpoint's ({} if it has none)."""
+    if name not in METHODS:
+        raise ValueError(f"unknown quantization {name!r}")
+    return METHODS[name].build(quantization_config or {})
