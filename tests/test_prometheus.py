@@ -28,24 +28,29 @@ N = 5
 
 
 @pytest.fixture(scope="module")
-def qwenserve(tmp_path_factory):
-    """`qwenserve serve` on the tiny model, its API key in the environment (so Prometheus scrapes with it, as the
-    shipped config's authorization block says); yields its host:port."""
+def model_dir(tmp_path_factory):
     if PROMETHEUS is None:
         pytest.skip(NOT_INSTALLED)
-    tmp = tmp_path_factory.mktemp("prometheus")
-    model = save_hf_dir(tiny_hf_model(seed=67, max_position_embeddings=256), str(tmp / "model"))
+    return save_hf_dir(tiny_hf_model(seed=67, max_position_embeddings=256), str(tmp_path_factory.mktemp("model")))
+
+
+@pytest.fixture
+def qwenserve(model_dir, tmp_path):
+    """A fresh `qwenserve serve` on the tiny model (so each test counts from zero), its API key in the environment
+    (Prometheus scrapes with it, as the shipped config's authorization block says); yields its base URL. The
+    metrics do not depend on the C++ kernels, so they stay off and the test needs no kernel build."""
     env = os.environ | {"QWENSERVE_API_KEY": API_KEY, "QWENSERVE_CPU_KERNELS": "0"}
-    with serve_process(["--model", model, "--dtype", "float32", "--kv-cache-memory", "4MiB",
-                        "--served-model-name", "tiny"], tmp / "serve.log", env) as (_, base):
+    with serve_process(["--model", model_dir, "--dtype", "float32", "--kv-cache-memory", "4MiB",
+                        "--served-model-name", "tiny"], tmp_path / "serve.log", env) as (_, base):
         yield base
 
 
-@pytest.fixture(scope="module")
-def prometheus(qwenserve, tmp_path_factory):
+@pytest.fixture
+def prometheus(qwenserve, tmp_path):
     """Prometheus on a free port, with deploy/prometheus/prometheus.yml pointed at the live server, scraping every
     second with the key file; yields a query(expr) function returning the result vector."""
-    tmp = tmp_path_factory.mktemp("prometheus-server")
+    tmp = tmp_path / "prometheus"
+    tmp.mkdir()
     config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
     config["global"] |= {"scrape_interval": "1s", "evaluation_interval": "1s"}
     [job] = config["scrape_configs"]
