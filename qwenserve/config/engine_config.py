@@ -83,9 +83,10 @@ class LoadConfig:
     device: str = setting("cpu", "torch device to run on: cpu or cuda[:N] (default: %(default)s)")
     quantization: str | None = setting(
         None, "how weights are held: none (dense, in dtype), gguf (a GGUF file's quantized blocks, run by our CPU "
-              "kernels), int8 / int4 (quantized at load: int8 per output channel, int4 in groups of 128), awq or "
-              "gptq (those checkpoints' own 4/8-bit weights); default: gguf for a .gguf file, awq/gptq from "
-              "config.json's quantization_config, else none")
+              "kernels), int8 / int4 (quantized at load: int8 per output channel, int4 in groups of 128), fp8 "
+              "(an FP8 checkpoint's e4m3 weights, or quantized at load in 128x128 blocks), awq, gptq or "
+              "compressed-tensors (those checkpoints' own weights); default: gguf for a .gguf file, the "
+              "quant_method of config.json's quantization_config, else none")
     cpu_kernels: bool = setting(True, "run on qwenserve's compiled CPU kernels (built at install; a failed build is "
                                       "an error); off: PyTorch ops only, several times slower (default: on)",
                                 env="QWENSERVE_CPU_KERNELS")
@@ -113,9 +114,10 @@ class CacheConfig:
                                                  "a block's pages take memory once it is first used (default: auto)",
                                          type=str)
     enable_prefix_caching: bool = setting(True, "reuse KV blocks of repeated prompt prefixes (default: on)")
-    kv_cache_dtype: str = setting("auto", "KV cache storage: auto (the model's dtype), int8, fp8_e4m3 or fp8_e5m2 "
-                                          "(one byte a value plus a scale per token and head: about twice the "
-                                          "tokens in the same kv_cache_memory) (default: %(default)s)")
+    kv_cache_dtype: str = setting("auto", "KV cache storage: auto (the model's dtype), int8, fp8_e4m3 (or fp8) or "
+                                          "fp8_e5m2 (one byte a value plus a scale per token and head: about twice "
+                                          "the tokens in the same kv_cache_memory; a checkpoint's k_scale / v_scale "
+                                          "replace the per-token scales) (default: %(default)s)")
 
     def __post_init__(self):
         if self.kv_cache_memory != "auto":

@@ -15,8 +15,10 @@ DEFAULT_ROPE_THETA = 1_000_000.0  # the Qwen models' real default; 10,000 makes 
 QWEN2_ARCHITECTURE = "Qwen2ForCausalLM"  # what a config.json without `architectures` but model_type qwen2 runs
 ROPE_SCALING_TYPES = ("linear", "dynamic", "yarn")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# kv_cache_dtype (vLLM's values) -> the torch dtype of the cache's codes; auto: the run dtype, no codes
-KV_CACHE_DTYPES = {"auto": None, "int8": "int8", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+# kv_cache_dtype (vLLM's values, fp8 meaning fp8_e4m3) -> the torch dtype of the cache's codes; auto: the run dtype,
+# no codes
+KV_CACHE_DTYPES = {"auto": None, "int8": "int8", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2",
+                   "fp8": "float8_e4m3fn"}
 
 
 @dataclass(frozen=True)
