@@ -3,6 +3,7 @@
 requests and N time-to-first-token observations, and every query of the shipped Grafana dashboard runs and returns
 data. Skipped, with the reason, where the package is not installed."""
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -48,7 +49,7 @@ def qwenserve(model_dir, tmp_path):
 @pytest.fixture
 def prometheus(qwenserve, tmp_path):
     """Prometheus on a free port, with deploy/prometheus/prometheus.yml pointed at the live server, scraping every
-    second with the key file; yields a query(expr) function returning the result vector."""
+    second with the key file; yields the base URL of its HTTP API once it has scraped the server."""
     tmp = tmp_path / "prometheus"
     tmp.mkdir()
     config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
@@ -75,31 +76,34 @@ def prometheus(qwenserve, tmp_path):
                 pass
             assert time.time() < deadline, (tmp / "prometheus.log").read_text()
             time.sleep(0.2)
-
-        def query(expr: str) -> list[dict]:
-            reply = httpx.get(api + "/api/v1/query", params={"query": expr}).json()
-            assert reply["status"] == "success", f"{expr}: {reply.get('error')}"
-            return reply["data"]["result"]
-        query.api = api
-        yield query
+        # a first scrape (with the key) before any request: rate() sees only increases after a series' first sample
+        wait_for(api, 'up{job="qwenserve", service="qwenserve"}', want=1)
+        yield api
     finally:
         proc.terminate()
         proc.wait(timeout=30)
 
 
-def wait_for(query, expr: str, want=None, timeout: float = 60.0) -> list[dict]:
-    """Poll `expr` until it returns a sample (whose value is `want`, when given); the last result."""
+def query(api: str, expr: str) -> list[dict]:
+    """The instant query's result vector; a query Prometheus rejects fails the test with its error."""
+    reply = httpx.get(api + "/api/v1/query", params={"query": expr}).json()
+    assert reply["status"] == "success", f"{expr}: {reply.get('error')}"
+    return reply["data"]["result"]
+
+
+def wait_for(api: str, expr: str, want: float | None = None, timeout: float = 60.0) -> None:
+    """Poll `expr` until its first sample is `want`, or, without one, until every sample is a number (not NaN:
+    what a Grafana panel draws)."""
     deadline = time.time() + timeout
     while True:
-        result = query(expr)
-        if result and (want is None or float(result[0]["value"][1]) == want):
-            return result
-        assert time.time() < deadline, f"{expr} returned {result}, not {want if want is not None else 'data'}"
+        values = [float(sample["value"][1]) for sample in query(api, expr)]
+        if values and (values[0] == want if want is not None else not any(math.isnan(v) for v in values)):
+            return
+        assert time.time() < deadline, f"{expr} returned {values}, not {want if want is not None else 'numbers'}"
         time.sleep(0.5)
 
 
 def test_prometheus_counts_the_requests_made(qwenserve, prometheus):
-    wait_for(prometheus, 'up{job="qwenserve", service="qwenserve"}', want=1)  # scraped, with the key
     with httpx.Client(base_url=qwenserve, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as client:
         for i in range(N):
             reply = client.post("/v1/completions", json={"model": "tiny", "prompt": f"request {i}", "max_tokens": 4,
@@ -114,8 +118,8 @@ def test_prometheus_counts_the_requests_made(qwenserve, prometheus):
 
 def test_every_dashboard_query_runs_and_shows_data(qwenserve, prometheus):
     """Each panel query, with Grafana's variables as Grafana fills them (every model, a rate window of a few
-    scrapes), parses in Prometheus and returns a sample once requests have been served; the model variable's
-    label_values() query finds the served model."""
+    scrapes), parses in Prometheus and returns numbers once requests have been served (two with one prompt, so the
+    prefix cache has hits); the model variable's label_values() query finds the served model."""
     with httpx.Client(base_url=qwenserve, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as client:
         for _ in range(2):
             assert client.post("/v1/completions", json={"model": "tiny", "prompt": "the same prompt",
@@ -127,7 +131,7 @@ def test_every_dashboard_query_runs_and_shows_data(qwenserve, prometheus):
         wait_for(prometheus, expr.replace("$model_name", ".*").replace("$__rate_interval", "1m"))
     [variable] = [v for v in dashboard["templating"]["list"] if v["name"] == "model_name"]
     metric, label = variable["definition"].removeprefix("label_values(").removesuffix(")").split(", ")
-    values = httpx.get(prometheus.api + f"/api/v1/label/{label}/values", params={"match[]": metric}).json()
+    values = httpx.get(prometheus + f"/api/v1/label/{label}/values", params={"match[]": metric}).json()
     assert values["data"] == ["tiny"]
 
 
