@@ -168,6 +168,25 @@ def test_commands_in_inline_code_name_real_flags():
             assert not unknown, f"{page.name}: `{span}`: {unknown}"
 
 
+def test_every_flag_in_code_is_a_qwenserve_flag():
+    """Any --flag in the pages' code (inline or blocks) is an option of some qwenserve command, but for docker's and
+    pip's that the deploying examples use."""
+    def every_parser(parser):
+        yield parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    yield from every_parser(sub)
+    flags = {o for p in every_parser(build_parser()) for a in p._actions for o in a.option_strings}
+    others = {"--build", "--build-arg", "--init", "--no-build-isolation"}
+    for page in PAGES:
+        text = page.read_text()
+        code = re.findall(r"`([^`\n]+)`", text) + code_blocks(page, {"bash", "sh", "python", ""})
+        found = {f for span in code for f in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", span)}
+        assert found, page.name
+        assert found - others <= flags, f"{page.name}: {sorted(found - others - flags)} are no qwenserve flags"
+
+
 def test_every_command_and_bench_workload_is_in_the_docs_and_its_help_runs():
     docs = "\n".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
     commands = subparsers(build_parser())
