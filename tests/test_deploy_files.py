@@ -2,8 +2,12 @@
 exists and reaches the build, it installs the CPU torch the set-up script pins and qwenserve as that script does,
 runs `qwenserve serve` with flags the CLI takes, as a non-root user with a health check on /health; the compose
 file's services, mounts, ports and names agree with each other and with the Prometheus and Grafana configs."""
+import http.server
 import re
 import shlex
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -77,6 +81,30 @@ def test_the_image_serves_as_run_sh_does_as_a_non_root_user_with_a_health_check(
     assert final.get("STOPSIGNAL", "SIGTERM") == "SIGTERM"
     cache = re.search(r"QWENSERVE_CACHE=(\S+)", final["ENV"]).group(1)
     assert cache in " ".join(v for k, v in dockerfile_stages()[-1] if k == "RUN"), "made, for the user to write"
+
+
+@pytest.mark.parametrize("status", [200, 503])
+def test_the_health_check_fails_unless_health_answers_200(status):
+    """The HEALTHCHECK command, run against a stand-in /health on a free port: exit 0 on 200 only (the server's
+    /health turns 503 while it drains or when the engine is gone)."""
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(status if self.path == "/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        health = dict(dockerfile_stages()[-1])["HEALTHCHECK"]
+        argv = exec_form(health.split(" CMD ", 1)[1].strip())
+        assert argv[0] == "python"
+        argv = [sys.executable, *[a.replace("127.0.0.1:8000", f"127.0.0.1:{server.server_port}") for a in argv[1:]]]
+        assert subprocess.run(argv, capture_output=True, timeout=30).returncode == (0 if status == 200 else 1)
+    finally:
+        server.shutdown()
 
 
 @pytest.fixture(scope="module")
