@@ -36,15 +36,20 @@ def is_quantized(dtype: torch.dtype) -> bool:
 # bf16, not fp16: it spans fp8 e5m2's small scales (amax / 57344), and its coarser rounding costs nothing because
 # the codes are computed against the rounded scale.
 KV_SCALE_DTYPE = torch.bfloat16
+E4M3_MAX = 448.0  # the largest float8_e4m3fn value, the range checkpoints' KV scales are calibrated for
 
 
-def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_kv(x: torch.Tensor, dtype: torch.dtype, static: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """[..., head_dim] -> (codes in dtype, KV_SCALE_DTYPE scales [...]): scale = amax(|x|) / the code's largest
     value, rounded to the scale dtype, and codes x / scale (int8 rounded to nearest); a zero vector gets scale 0
-    and codes 0."""
+    and codes 0. static: a checkpoint's calibrated scale (k_scale / v_scale, made for e4m3 codes) in place of
+    amax / top, stretched to this dtype's range; values past it saturate."""
     x = x.float()
     top = torch.finfo(dtype).max if dtype.is_floating_point else torch.iinfo(dtype).max
-    scale = (x.abs().amax(dim=-1) / top).to(KV_SCALE_DTYPE)
+    if static is None:
+        scale = (x.abs().amax(dim=-1) / top).to(KV_SCALE_DTYPE)
+    else:
+        scale = torch.full(x.shape[:-1], static * E4M3_MAX / top, dtype=KV_SCALE_DTYPE, device=x.device)
     y = x / torch.where(scale > 0, scale.float(), 1.0).unsqueeze(-1)
     if not dtype.is_floating_point:
         y = y.round()
@@ -114,14 +119,18 @@ class PagedKVCache:
         per_head = head_dim * dtype.itemsize + (KV_SCALE_DTYPE.itemsize if is_quantized(dtype) else 0)  # + a scale
         return 2 * num_layers * block_size * num_kv_heads * per_head
 
-    def _write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """This step's k/v [T, kv_heads, head_dim] into their slots."""
+    def _write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, static=None) -> None:
+        """This step's k/v [T, kv_heads, head_dim] into their slots. static: the layer's (k, v) scales from the
+        checkpoint (either None: dynamic), which only a cache of codes uses."""
         for cache, x in ((self.k[layer], k), (self.v[layer], v)):
             cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, x)
 
-    def _write_quantized(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        for cache, scales, x in ((self.k[layer], self.k_scales[layer], k), (self.v[layer], self.v_scales[layer], v)):
-            codes, scale = quantize_kv(x, cache.dtype)
+    def _write_quantized(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         static=None) -> None:
+        k_static, v_static = static or (None, None)
+        for cache, scales, x, fixed in ((self.k[layer], self.k_scales[layer], k, k_static),
+                                        (self.v[layer], self.v_scales[layer], v, v_static)):
+            codes, scale = quantize_kv(x, cache.dtype, fixed)
             # copied as bytes: index_copy_ has no fp8 kernel on the CPU
             cache.view(torch.uint8).view(-1, *cache.shape[2:]).index_copy_(0, slots, codes.view(torch.uint8))
             scales.view(-1, scales.shape[2]).index_copy_(0, slots, scale)
@@ -182,6 +191,7 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.kv_scales = None  # (k, v) scales from the checkpoint for a cache of codes (load_kv_scale); None: dynamic
         self._ops = cpu_ops_for(torch.empty(0).device)  # the device the model is being built on
         self._decode = self._decode_kernel if self._ops is not None else self._decode_sdpa
         # a prompt without cached context in a bf16 model (the default dtype while it is built): our flash kernel
@@ -192,7 +202,7 @@ class Attention(nn.Module):
         """q: [T, heads, head_dim], k/v: [T, kv_heads, head_dim] (this step's tokens) -> [T, heads * head_dim]."""
         md = attn_metadata
         cache = md.kv_cache
-        cache.write(self.layer_idx, md.slot_mapping, k, v)
+        cache.write(self.layer_idx, md.slot_mapping, k, v, self.kv_scales)
 
         if len(md.decode) == 1 and md.decode[0].token_index is None:  # decode tokens only, one group
             out = self._decode(q, cache, md.decode[0])
@@ -203,6 +213,17 @@ class Attention(nn.Module):
             for span in md.prefills:
                 self._prefill(q, k, v, cache, span, out[span.start:span.end])
         return out.reshape(q.shape[0], -1)
+
+    def load_kv_scale(self, which: str, loaded: torch.Tensor) -> None:
+        """A checkpoint's per-tensor KV cache scale: which is "k", "v" or "kv" (one scale for both, older files)."""
+        if loaded.numel() != 1 or not loaded.is_floating_point():
+            raise ValueError(f"a KV cache scale must be one floating-point value (per tensor), got {loaded.dtype} "
+                             f"{tuple(loaded.shape)}")
+        value = float(loaded.reshape(()))
+        if not 0 < value < float("inf"):
+            raise ValueError(f"KV cache scale {value} must be positive and finite")
+        k, v = self.kv_scales or (None, None)
+        self.kv_scales = (value if which in ("k", "kv") else k, value if which in ("v", "kv") else v)
 
     def _decode_kernel(self, q, cache: PagedKVCache, d: DecodeGroup):
         out = q.new_empty(q.shape)

@@ -5,7 +5,9 @@ The experts are held one of two ways. Dense (HF checkpoints, and GGUF files wher
 whose experts are float): stacked, [experts, 2 * intermediate, hidden] and [experts, hidden, intermediate] in the
 run dtype, each expert's slice also a parameter named as checkpoints name it (experts.E.gate_up_proj.weight,
 experts.E.down_proj.weight, after the loader's gate/up fusion), so the loader fills them as it fills any fused
-projection; the tokens are grouped by expert and only the chosen experts run, in PyTorch. As blocks (a GGUF file
+projection; the tokens are grouped by expert and only the chosen experts run, in PyTorch. An FP8 checkpoint's
+experts (quantization/fp8.py) are held that way too, as e4m3 codes with their scales per row beside them
+(s13, s2, named weight_scale_inv / weight_scale as the checkpoint names them), each dequantized as it runs. As blocks (a GGUF file
 under the `gguf` quantization, where the kernels run): each expert's parameters are placeholders whose loaders
 keep the file's blocks, stacked per projection once loaded, and one ggml_moe call runs the chosen experts on them
 (quantization/gguf_experts.py). Under tensor parallelism each rank holds its slice of every expert's intermediate
@@ -24,6 +26,7 @@ from qwenserve.config.errors import ConfigError
 from qwenserve.config.tuning import this_cpu_tuning
 from qwenserve.distributed.layout import check_expert_split, local_experts
 from qwenserve.distributed.tensor_parallel import TensorParallel
+from qwenserve.model.layers.quantization.fp8 import E4M3, dequantize, expert_config, fill_scales, load_codes
 from qwenserve.model.layers.quantization.ggml_blocks import activation_levels
 from qwenserve.model.layers.quantization.gguf_experts import ExpertBlockCollector, expert_kernels
 
@@ -47,15 +50,35 @@ class TopKRouter(nn.Module):
 
 
 class _ExpertProjection(nn.Module):
-    """One expert's gate_up_proj or down_proj: a view of the stacked weights that loads this rank's slice."""
+    """One expert's gate_up_proj or down_proj: a view of the stacked weights that loads this rank's slice. Under an
+    FP8 checkpoint (fp8: its format) the weight holds e4m3 codes and a second view, named as the checkpoint names
+    the scales, holds them per row (quantization/fp8.py)."""
 
-    def __init__(self, weight: torch.Tensor, tp: TensorParallel, fused_gate_up: bool):
+    def __init__(self, weight: torch.Tensor, tp: TensorParallel, fused_gate_up: bool, fp8=None,
+                 scales: torch.Tensor | None = None):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)  # shares the stacked tensor's storage
         self.weight.weight_loader = self.weight_loader
-        self.tp, self.fused_gate_up = tp, fused_gate_up
+        self.tp, self.fused_gate_up, self.fp8 = tp, fused_gate_up, fp8
+        if fp8 is not None:
+            param = nn.Parameter(scales, requires_grad=False)
+            param.weight_loader = self.scale_loader
+            setattr(self, fp8.scale_name, param)
+
+    def scale_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if self.fused_gate_up:
+            size = param.shape[0] // 2
+            fill_scales(self.fp8, param.data, loaded, shard_id * size, size, self.tp.rank * size, 0,
+                        self.weight.shape[1], exact=self.tp.size == 1)
+        else:
+            size = self.weight.shape[1]
+            fill_scales(self.fp8, param.data, loaded, 0, param.shape[0], 0, self.tp.rank * size, size,
+                        exact=self.tp.size == 1)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if self.fp8 is not None:  # the codes, as bytes
+            loaded = load_codes(self.fp8, loaded)
+            param = nn.Parameter(param.data.view(torch.uint8), requires_grad=False)
         if self.fused_gate_up:  # rows [shard * I, (shard + 1) * I) take this rank's rows of gate or up
             size = param.shape[0] // 2
             target, loaded = param.data.narrow(0, shard_id * size, size), loaded.narrow(0, self.tp.rank * size, size)
@@ -68,10 +91,10 @@ class _ExpertProjection(nn.Module):
 
 
 class _Expert(nn.Module):
-    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, tp: TensorParallel):
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, tp: TensorParallel, fp8=None, s13=None, s2=None):
         super().__init__()
-        self.gate_up_proj = _ExpertProjection(w13, tp, fused_gate_up=True)
-        self.down_proj = _ExpertProjection(w2, tp, fused_gate_up=False)
+        self.gate_up_proj = _ExpertProjection(w13, tp, True, fp8, s13)
+        self.down_proj = _ExpertProjection(w2, tp, False, fp8, s2)
 
 
 class _ExpertBlocksProjection(nn.Module):
@@ -139,6 +162,7 @@ class FusedExperts(nn.Module):
         local = self.num_local_experts
         self.blocks = None  # the stacked blocks ggml_moe runs, once loaded
         self.ops = expert_kernels(linear_method, torch.empty(0).device)  # where the model is being built
+        self.fp8 = expert_config(linear_method)  # FP8 experts: e4m3 codes, and their scales s13 / s2 per row
         self.collector = None
         if self.ops is not None:
             self.collector = ExpertBlockCollector(local, hidden_size, inter, split)
@@ -146,8 +170,15 @@ class FusedExperts(nn.Module):
             self.register_buffer("w13", None, persistent=False)  # made only where the file's experts are float
             self.register_buffer("w2", None, persistent=False)
         else:
-            self.register_buffer("w13", torch.empty(local, 2 * inter, hidden_size), persistent=False)
-            self.register_buffer("w2", torch.empty(local, hidden_size, inter), persistent=False)
+            dtype = None if self.fp8 is None else E4M3
+            self.register_buffer("w13", torch.empty(local, 2 * inter, hidden_size, dtype=dtype), persistent=False)
+            self.register_buffer("w2", torch.empty(local, hidden_size, inter, dtype=dtype), persistent=False)
+            if self.fp8 is not None:
+                group = self.fp8.block[1] if self.fp8.block else None
+                self.register_buffer("s13", torch.zeros(local, 2 * inter, -(-hidden_size // group) if group else 1,
+                                                        dtype=torch.float32), persistent=False)
+                self.register_buffer("s2", torch.zeros(local, hidden_size, -(-inter // group) if group else 1,
+                                                       dtype=torch.float32), persistent=False)
         for e in range(num_experts):
             slot = e - self.first_expert
             if not 0 <= slot < local:
@@ -155,7 +186,8 @@ class FusedExperts(nn.Module):
             elif self.ops is not None:
                 self.add_module(str(e), _ExpertOfBlocks(self.collector, slot))
             else:
-                self.add_module(str(e), _Expert(self.w13[slot], self.w2[slot], split))
+                scales = (None, None) if self.fp8 is None else (self.s13[slot], self.s2[slot])
+                self.add_module(str(e), _Expert(self.w13[slot], self.w2[slot], split, self.fp8, *scales))
 
     def process_weights_after_loading(self) -> None:
         """Stack the collected blocks for ggml_moe, or (experts float in the file) fill the dense weights."""
@@ -199,6 +231,14 @@ class FusedExperts(nn.Module):
             return self.tp.all_reduce(self.blocks.run(self.ops, x, weights, ids, self.act_levels))
         return self.tp.all_reduce(self._dense(x, weights, ids, None))
 
+    def _expert_weights(self, expert: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """An expert's (gate_up, down) weights in dtype: FP8 experts are dequantized one expert at a time."""
+        if self.fp8 is None:
+            return self.w13[expert], self.w2[expert]
+        group = self.fp8.block[1] if self.fp8.block else 1
+        return (dequantize(self.w13[expert], self.s13[expert], group, dtype),
+                dequantize(self.w2[expert], self.s2[expert], group, dtype))
+
     def _dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                tokens: torch.Tensor | None) -> torch.Tensor:
         """The chosen experts in PyTorch, the pairs grouped by expert. tokens: each row of ids' token (None: row
@@ -216,7 +256,8 @@ class FusedExperts(nn.Module):
             rows = pairs // ids.shape[1]
             if tokens is not None:
                 rows = tokens[rows]
-            gate, up = F.linear(x[rows], self.w13[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.w2[expert])
+            w13, w2 = self._expert_weights(expert, x.dtype)
+            gate, up = F.linear(x[rows], w13).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, w2)
             out.index_add_(0, rows, y * weights.flatten()[pairs, None])
         return out

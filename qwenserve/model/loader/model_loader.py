@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import time
 from collections.abc import Iterable
 
@@ -15,6 +16,7 @@ from qwenserve.distributed.pipeline import PipelineParallel
 from qwenserve.distributed.tensor_parallel import TensorParallel
 from qwenserve.kernels import cpu_ops_for
 from qwenserve.model.interface import CausalLM
+from qwenserve.model.layers.attention import Attention
 from qwenserve.model.layers.quantization import quantization_scheme
 from qwenserve.model.loader.checkpoint import reopen_checkpoint
 from qwenserve.model.loader.ggml_tensor import GGMLTensor
@@ -22,6 +24,10 @@ from qwenserve.model.loader.resolve import load_tokenizer, resolve_model
 
 logger = logging.getLogger(__name__)
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# a layer's KV cache scales as FP8 checkpoints name them: self_attn.k_scale / v_scale (vLLM's fp8), self_attn.kv_scale
+# (older files: one for both), self_attn.k_proj.output_scale / v_proj.output_scale (compressed-tensors)
+_KV_SCALE = re.compile(r"(?P<layer>.+\.self_attn)\.(?:attn\.)?(?:(?P<which>k_scale|v_scale|kv_scale)|"
+                       r"(?P<proj>k|v)_proj\.output_scale)$")
 
 
 class WeightLoadError(ValueError):
@@ -51,22 +57,47 @@ def load_model(resolved: ResolvedModel, device: str | torch.device = "cpu", tp: 
     checkpoint = reopen_checkpoint(resolved)
     with _default_dtype(resolved.dtype), torch.device(device):
         model = resolved.model_class(resolved.config, resolved.max_model_len, tp, quantization, pp)
-    load_weights(model, checkpoint.weights(quantization.keep_types), checkpoint.naming)
+        name_layers(model)
+    try:
+        load_weights(model, checkpoint.weights(quantization.keep_types), checkpoint.naming)
+    except WeightLoadError as e:  # the tensor is named; the checkpoint too, for a user who loads several
+        raise WeightLoadError(f"{checkpoint.path}: {e}") from e
     model.process_weights_after_loading(after_each=checkpoint.release_pages)
     checkpoint.release_pages()  # again, for a model class that does not call after_each
     logger.info("loaded %s weights in %.1f s", checkpoint.path, time.perf_counter() - start)
     return model.eval()
 
 
+def name_layers(model: CausalLM) -> None:
+    """Tell each linear method that asks (`named`) the checkpoint name of its layer's shards (q_proj, k_proj and
+    v_proj of a qkv_proj): a checkpoint's list of layers left unquantized is by those names."""
+    packed = model.packed_modules_mapping
+    for name, module in model.named_modules():
+        named = getattr(getattr(module, "linear_method", None), "named", None)
+        if named is not None:
+            parent, _, leaf = name.rpartition(".")
+            shards = {shard: f"{parent}.{part}" for part, (fused, shard) in packed.items() if fused == leaf}
+            named(module, shards or {None: name})
+
+
 def load_weights(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]], naming: str) -> None:
     """Copy checkpoint tensors (HF names) into the model; raise listing every missing and unexpected tensor."""
     params = dict(model.named_parameters())  # a tied LM head appears once, as the embedding
+    modules = dict(model.named_modules())
     packed = model.packed_modules_mapping
     loaded: set[tuple[str, object]] = set()
     unexpected: list[str] = []
     for name, tensor in weights:
         target = model.checkpoint_target(name)  # None: a tied head's copy, or another pipeline stage's
         if name.endswith(_IGNORED_SUFFIXES) or target is None:
+            continue
+        kv_scale = _KV_SCALE.match(target)
+        if kv_scale is not None and isinstance(modules.get(kv_scale["layer"] + ".attn"), Attention):
+            which = kv_scale["which"] or kv_scale["proj"]
+            try:
+                modules[kv_scale["layer"] + ".attn"].load_kv_scale(which.removesuffix("_scale"), tensor)
+            except ValueError as e:
+                raise WeightLoadError(f"{name}: {e}") from e
             continue
         shard = None
         for ckpt_part, (fused, shard_id) in packed.items():

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from qwenserve.model.layers.linear import LinearMethod
 from qwenserve.model.layers.quantization.awq import AWQLinearMethod
+from qwenserve.model.layers.quantization.fp8 import FP8Config
 from qwenserve.model.layers.quantization.gguf import KERNEL_TYPES, GGUFLinearMethod
 from qwenserve.model.layers.quantization.gptq import GPTQLinearMethod
 from qwenserve.model.layers.quantization.rtn import Int4LinearMethod, Int8LinearMethod
@@ -69,6 +70,14 @@ def _int8(config: dict) -> QuantizationScheme:
     return QuantizationScheme(method, method)
 
 
+def _fp8(config: dict) -> QuantizationScheme:
+    return QuantizationScheme(FP8Config.from_fp8_config(config).method())  # the LM head stays dense
+
+
+def _compressed_tensors(config: dict) -> QuantizationScheme:
+    return QuantizationScheme(FP8Config.from_compressed_tensors(config).method())
+
+
 register("none", QuantizationMethod(lambda config: QuantizationScheme()))
 register("gguf", QuantizationMethod(_gguf, "quantization gguf runs a GGUF file's blocks, but {path} is not a GGUF "
                                            "file"))
@@ -79,6 +88,10 @@ register("awq", QuantizationMethod(lambda config: QuantizationScheme(AWQLinearMe
                                    _own("AWQ"), exclusive=True, in_config=True))
 register("gptq", QuantizationMethod(lambda config: QuantizationScheme(GPTQLinearMethod.from_config(config)),
                                     _own("GPTQ"), exclusive=True, in_config=True))
+# fp8 runs FP8 checkpoints (quant_method fp8) and quantizes dense ones at load
+register("fp8", QuantizationMethod(_fp8, exclusive=True, in_config=True))
+register("compressed-tensors", QuantizationMethod(_compressed_tensors, _own("compressed-tensors"), exclusive=True,
+                                                  in_config=True))
 
 
 def quantization_scheme(name: str, quantization_config: dict | None = None) -> QuantizationScheme:

@@ -1,0 +1,468 @@
+"""quantization="fp8" / "compressed-tensors": FP8 checkpoints written here as the published formats are, from tiny
+random models (none of the real ones can be downloaded here):
+- block-wise, as Qwen/Qwen3-*-FP8: config.json quantization_config {"quant_method": "fp8", "fmt": "e4m3",
+  "activation_scheme": "dynamic", "weight_block_size": [128, 128]}, each projection's `weight` in float8_e4m3fn
+  and a float32 `weight_scale_inv` [ceil(out / 128), ceil(in / 128)] (weight = code * scale_inv per block);
+- per-tensor and per-channel, as vLLM's fp8 method reads them (AutoFP8 and others): `weight_scale` of shape [] or
+  [out, 1], and with activation_scheme static an `input_scale` of shape [];
+- compressed-tensors' float-quantized format (llm-compressor's FP8, FP8_DYNAMIC and FP8_BLOCK schemes):
+  config_groups with weights {num_bits 8, type float, strategy tensor / channel / block}, `weight_scale` [1],
+  [out, 1] or [out / 128, in / 128], `input_scale` [1] where the input activations are static.
+The models' sizes are not multiples of 128, so the scale blocks at the edges are partial.
+
+The reference is the HF model holding the exact dequantized values (code * scale in float32), in float32, its
+inputs quantized as a static input scale says where the checkpoint has one: the logits must match it closely."""
+import json
+import os
+
+import pytest
+import torch
+from helpers import assert_hf_greedy, greedy_tokens, save_hf_dir, tiny_hf_model, tiny_qwen3
+from safetensors.torch import load_file, save_file
+
+from qwenserve import LLM
+from qwenserve.config.errors import ConfigError
+from qwenserve.model.loader.model_loader import LoadedModel, WeightLoadError
+from qwenserve.worker.model_runner import full_logits
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+E4M3 = torch.float8_e4m3fn
+IDS = list(range(5, 40))
+BLOCK_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+
+
+def qwen3():
+    """Hidden 192 (1.5 blocks), q 192, k / v 96, intermediate 320 (2.5 blocks): every matrix has edge blocks."""
+    return tiny_qwen3(11, hidden_size=192, intermediate_size=320, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=48)
+
+
+def qwen2():
+    """Qwen2 (q/k/v biases), hidden 160, intermediate 288."""
+    return tiny_hf_model(seed=12, hidden_size=160, intermediate_size=288, num_attention_heads=5,
+                         num_key_value_heads=1)
+
+
+# ---- the formats, written here from their definitions ----------------------------------------------------------
+
+def block_codes(weight, bn=128, bk=128):
+    """-> (e4m3 codes, float32 scales [ceil(N / bn), ceil(K / bk)]), one scale per block: amax / 448."""
+    n, k = weight.shape
+    scales = torch.empty(-(-n // bn), -(-k // bk))
+    codes = torch.empty(n, k, dtype=E4M3)
+    for i in range(scales.shape[0]):
+        for j in range(scales.shape[1]):
+            block = weight[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk]
+            scales[i, j] = block.abs().max() / 448
+            codes[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk] = (block / scales[i, j]).to(E4M3)
+    return codes, scales
+
+
+def block_values(codes, scales, bn=128, bk=128):
+    out = torch.empty(codes.shape)
+    for i in range(scales.shape[0]):
+        for j in range(scales.shape[1]):
+            rows, cols = slice(i * bn, (i + 1) * bn), slice(j * bk, (j + 1) * bk)
+            out[rows, cols] = codes[rows, cols].float() * scales[i, j]
+    return out
+
+
+def input_amax(hf, ids=IDS):
+    """The largest |input| of each projection (module name -> float) over a calibration prompt."""
+    amax, hooks = {}, []
+    for name, module in hf.named_modules():
+        if name.split(".")[-1] in PROJECTIONS:
+            hooks.append(module.register_forward_pre_hook(lambda m, args, name=name: amax.__setitem__(
+                name, max(amax.get(name, 0.0), args[0].abs().max().item()))))
+    with torch.no_grad():
+        hf(torch.tensor([ids]))
+    for h in hooks:
+        h.remove()
+    return amax
+
+
+def quantize_state(hf, dense, kind, ignore=()):
+    """dense: the checkpoint's tensors as saved -> (FP8 checkpoint tensors, the same with the dequantized float32
+    weights, static input scales by module)."""
+    state = dict(dense)
+    reference = dict(state)
+    amax = input_amax(hf) if kind in ("tensor-static", "ct-tensor-static") else {}
+    input_scales = {}
+    for name, weight in dense.items():
+        module = name[:-len(".weight")]
+        if not (name.endswith(".weight") and module.split(".")[-1] in PROJECTIONS) or module in ignore:
+            continue
+        if kind in ("block", "ct-block"):
+            codes, scales = block_codes(weight)
+            values = block_values(codes, scales)
+            scale_name = "weight_scale_inv" if kind == "block" else "weight_scale"
+        elif kind in ("tensor-static", "ct-tensor-static"):
+            scales = weight.abs().max() / 448  # shape []
+            codes = (weight / scales).to(E4M3)
+            values = codes.float() * scales
+            scales = scales.reshape(1) if kind.startswith("ct") else scales
+            scale_name = "weight_scale"
+        else:  # channel, ct-channel
+            scales = weight.abs().amax(1, keepdim=True) / 448  # [out, 1]
+            codes = (weight / scales).to(E4M3)
+            values = codes.float() * scales
+            scale_name = "weight_scale"
+        state[name] = codes
+        state[f"{module}.{scale_name}"] = scales.float().contiguous()
+        reference[name] = values
+        if module in amax:
+            input_scales[module] = torch.tensor(amax[module] / 448)
+            state[f"{module}.input_scale"] = input_scales[module].reshape(1) if kind.startswith("ct") \
+                else input_scales[module]
+    return state, reference, input_scales
+
+
+def ct_config(strategy, static_input=False, ignore=("lm_head",)):
+    weights = {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False,
+               "observer": "minmax"}
+    if strategy == "block":
+        weights["block_structure"] = [128, 128]
+    inputs = ({"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+              if static_input else
+              {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True, "symmetric": True})
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": inputs}},
+            "ignore": list(ignore), "kv_cache_scheme": None}
+
+
+CONFIGS = {
+    "block": BLOCK_CONFIG,
+    "tensor-static": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "static"},
+    "channel": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"},
+    "ct-block": ct_config("block"),
+    "ct-channel": ct_config("channel"),
+    "ct-tensor-static": ct_config("tensor", static_input=True),
+}
+
+
+def write_fp8(path, hf, kind, ignore=(), config=None):
+    """An FP8 checkpoint of hf at path; returns the reference (a float32 HF model on the dequantized weights, with
+    hooks that quantize its inputs where the checkpoint has static input scales)."""
+    from transformers import AutoModelForCausalLM
+    save_hf_dir(hf, str(path))
+    file = os.path.join(path, "model.safetensors")
+    state, reference, input_scales = quantize_state(hf, load_file(file), kind, ignore)
+    save_file(state, file)
+    reference_dir = save_hf_dir(hf, f"{path}-reference")
+    save_file(reference, os.path.join(reference_dir, "model.safetensors"))
+    config_path = os.path.join(path, "config.json")
+    with open(config_path) as f:
+        raw = json.load(f)
+    raw["quantization_config"] = config or CONFIGS[kind]
+    with open(config_path, "w") as f:
+        json.dump(raw, f)
+    ref = AutoModelForCausalLM.from_pretrained(reference_dir, dtype=torch.float32).eval()
+    for name, module in ref.named_modules():
+        if name in input_scales:
+            scale = input_scales[name].item()
+            module.register_forward_pre_hook(
+                lambda m, args, s=scale: ((args[0] / s).clamp(-448, 448).to(E4M3).float() * s,))
+    return ref
+
+
+def hf_logits(hf, ids=IDS):
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+def projection(model, layer, name):
+    block = model.model.layers[layer]
+    return getattr(block.self_attn if name in ("qkv_proj", "o_proj") else block.mlp, name)
+
+
+# ---- checkpoints ------------------------------------------------------------------------------------------------
+
+def test_block_fp8_checkpoint_matches_its_dequantized_weights(tmp_path):
+    ref = write_fp8(tmp_path / "block", qwen3(), "block")
+    model = LoadedModel(str(tmp_path / "block"), dtype="float32", quantization=None).model  # fp8 from config.json
+    for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+        layer = projection(model, 1, name)
+        assert layer.weight.dtype == E4M3 and layer.weight.element_size() == 1
+    # the LM head, embedding and norms keep the checkpoint's dtype (float32 here)
+    assert model.lm_head.weight.dtype == torch.float32 and model.model.embed_tokens.weight.dtype == torch.float32
+    assert model.model.norm.weight.dtype == torch.float32
+    torch.testing.assert_close(full_logits(model, IDS), hf_logits(ref), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["tensor-static", "channel", "ct-block", "ct-channel", "ct-tensor-static"])
+def test_per_tensor_per_channel_and_compressed_tensors_match_their_dequantized_weights(tmp_path, kind):
+    hf = qwen3() if kind == "ct-block" else qwen2()
+    ref = write_fp8(tmp_path / kind, hf, kind)
+    model = LoadedModel(str(tmp_path / kind), dtype="float32", quantization=None).model
+    assert projection(model, 0, "down_proj").weight.dtype == E4M3
+    static = "static" in kind
+    assert (projection(model, 0, "qkv_proj").fp8_input_scale is not None) == static
+    torch.testing.assert_close(full_logits(model, IDS), hf_logits(ref), atol=2e-5, rtol=1e-5)
+
+
+def test_static_input_scales_change_the_result(tmp_path):
+    """The static path is taken: the same checkpoint run with its activations unquantized differs."""
+    ref = write_fp8(tmp_path / "static", qwen2(), "tensor-static")
+    model = LoadedModel(str(tmp_path / "static"), dtype="float32", quantization=None).model
+    with_scales = full_logits(model, IDS)
+    for i in range(2):
+        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            projection(model, i, name).fp8_input_scale = None
+    assert (full_logits(model, IDS) - with_scales).abs().max() > 1e-3
+    torch.testing.assert_close(with_scales, hf_logits(ref), atol=2e-5, rtol=1e-5)
+
+
+def test_bf16_run_of_a_block_checkpoint_is_close(tmp_path):
+    ref = write_fp8(tmp_path / "block", qwen3(), "block")
+    model = LoadedModel(str(tmp_path / "block"), dtype="bfloat16", quantization="fp8").model
+    got, want = full_logits(model, IDS), hf_logits(ref)
+    assert (got - want).abs().max() < 0.1 * want.abs().max()
+
+
+def test_ignored_layers_stay_dense(tmp_path):
+    ignore = ("model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj",
+              "model.layers.0.self_attn.v_proj", "model.layers.1.mlp.down_proj")
+    config = dict(BLOCK_CONFIG, ignored_layers=list(ignore))
+    ref = write_fp8(tmp_path / "ignored", qwen3(), "block", ignore=ignore, config=config)
+    model = LoadedModel(str(tmp_path / "ignored"), dtype="float32", quantization=None).model
+    assert projection(model, 0, "qkv_proj").weight.dtype == torch.float32
+    assert projection(model, 1, "down_proj").weight.dtype == torch.float32
+    assert projection(model, 1, "qkv_proj").weight.dtype == E4M3
+    assert projection(model, 0, "down_proj").weight.dtype == E4M3
+    torch.testing.assert_close(full_logits(model, IDS), hf_logits(ref), atol=2e-5, rtol=1e-5)
+
+
+def test_compressed_tensors_ignore_takes_regular_expressions(tmp_path):
+    hf = qwen2()
+    ignore = tuple(f"model.layers.{i}.mlp.down_proj" for i in range(2))
+    ref = write_fp8(tmp_path / "ct", hf, "ct-channel", ignore=ignore,
+                    config=ct_config("channel", ignore=("lm_head", "re:.*down_proj$")))
+    model = LoadedModel(str(tmp_path / "ct"), dtype="float32", quantization=None).model
+    assert projection(model, 1, "down_proj").weight.dtype == torch.float32
+    assert projection(model, 1, "gate_up_proj").weight.dtype == E4M3
+    torch.testing.assert_close(full_logits(model, IDS), hf_logits(ref), atol=2e-5, rtol=1e-5)
+
+
+def test_engine_greedy_tokens_are_the_reference_models(tmp_path):
+    ref = write_fp8(tmp_path / "block", qwen3(), "block")
+    llm = LLM(str(tmp_path / "block"), dtype="float32", kv_cache_memory="8MiB")
+    prompts = [list(range(3 + i, 14 + 3 * i)) for i in range(3)]
+    assert_hf_greedy(ref, prompts, greedy_tokens(llm, prompts))
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe"])
+def test_fp8_experts_match_their_dequantized_weights(tmp_path, kind):
+    """Qwen3-30B-A3B-FP8's layout: every expert's gate / up / down projection block-wise FP8, the router dense."""
+    from test_moe import tiny_moe
+    extra = dict(head_dim=48) if kind == "qwen3_moe" else dict(shared_expert_intermediate_size=192)
+    hf = tiny_moe(kind, seed=13, hidden_size=192, moe_intermediate_size=160, intermediate_size=320,
+                  num_hidden_layers=2, num_experts=4, norm_topk_prob=True, **extra)
+    ref = write_fp8(tmp_path / kind, hf, "block")
+    assert "model.layers.0.mlp.experts.3.down_proj.weight_scale_inv" in load_file(
+        os.path.join(tmp_path / kind, "model.safetensors"))
+    model = LoadedModel(str(tmp_path / kind), dtype="float32", quantization=None).model
+    experts = model.model.layers[0].mlp.experts
+    assert experts.w13.dtype == E4M3 and experts.w2.dtype == E4M3
+    assert model.model.layers[0].mlp.gate.weight.dtype == torch.float32
+    torch.testing.assert_close(full_logits(model, IDS), hf_logits(ref), atol=2e-5, rtol=1e-5)
+
+
+# ---- online ---------------------------------------------------------------------------------------------------
+
+def test_online_fp8_quantizes_each_checkpoint_tensor_as_a_block_checkpoint_holds_it(tmp_path, monkeypatch):
+    from qwenserve.model.layers.quantization import fp8
+    hf = qwen3()
+    dense = save_hf_dir(hf, str(tmp_path / "dense"))
+    quantized = []
+    real = fp8.quantize_blocks
+
+    def recording(weight, block):  # what is held in full precision while quantizing: one checkpoint tensor
+        quantized.append(tuple(weight.shape))
+        return real(weight, block)
+    monkeypatch.setattr(fp8, "quantize_blocks", recording)
+    model = LoadedModel(dense, dtype="float32", quantization="fp8").model
+    projections = {tuple(t.shape) for name, t in load_file(os.path.join(dense, "model.safetensors")).items()
+                   if name.split(".")[-2] in PROJECTIONS and name.endswith(".weight")}
+    assert len(quantized) == 14 and set(quantized) == projections  # 7 projections x 2 layers, each once
+    for i in range(2):
+        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            assert projection(model, i, name).weight.dtype == E4M3
+    assert model.lm_head.weight.dtype == torch.float32
+    # the codes and scales are a block-wise checkpoint's: the same logits as the model on those dequantized weights
+    got = full_logits(model, IDS)
+    torch.testing.assert_close(got, hf_logits(write_fp8(tmp_path / "block", hf, "block")), atol=2e-5, rtol=1e-5)
+    want = full_logits(LoadedModel(dense, dtype="float32", quantization="none").model, IDS)
+    assert_close_to_unquantized(got, want)
+
+
+def test_online_fp8_in_bf16_is_close_to_bf16(tmp_path):
+    dense = save_hf_dir(qwen3(), str(tmp_path / "dense"))
+    got = full_logits(LoadedModel(dense, dtype="bfloat16", quantization="fp8").model, IDS)
+    want = full_logits(LoadedModel(dense, dtype="bfloat16", quantization="none").model, IDS)
+    assert_close_to_unquantized(got, want)
+
+
+def assert_close_to_unquantized(got, want):
+    """FP8's rounding (3 mantissa bits) on a random tiny model, whose logits are nearly flat: measured 83% (fp32) and
+    89% (bf16) of the positions keep their top token, cosine 0.993; wrong scales or codes fall far below."""
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.75
+    assert torch.nn.functional.cosine_similarity(got, want, dim=-1).min() > 0.985
+
+
+# ---- errors ---------------------------------------------------------------------------------------------------
+
+def _rewrite(path, change_state=None, change_config=None):
+    file = os.path.join(path, "model.safetensors")
+    if change_state:
+        state = load_file(file)
+        change_state(state)
+        save_file(state, file)
+    if change_config:
+        with open(os.path.join(path, "config.json")) as f:
+            raw = json.load(f)
+        change_config(raw["quantization_config"])
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(raw, f)
+
+
+def test_bad_checkpoints_name_the_problem_and_the_file(tmp_path):
+    path = str(tmp_path / "bad")
+    write_fp8(path, qwen3(), "block")
+    down = "model.layers.1.mlp.down_proj"
+    _rewrite(path, change_config=lambda c: c.update(fmt="e5m2"))
+    with pytest.raises(ConfigError, match=rf"{path}: quantization_config fmt 'e5m2' is not supported"):
+        LoadedModel(path, dtype="float32", quantization=None)
+    _rewrite(path, change_config=lambda c: c.update(fmt="e4m3"))
+
+    good = load_file(os.path.join(path, "model.safetensors"))
+    _rewrite(path, lambda s: s.__setitem__(f"{down}.weight_scale_inv", s[f"{down}.weight_scale_inv"][:1]))
+    with pytest.raises(WeightLoadError, match=rf"{path}: {down}\.weight_scale_inv: weight_scale_inv has shape "
+                                              r"\(1, 3\); 128x128 blocks of 192 rows and 320 columns need \(2, 3\)"):
+        LoadedModel(path, dtype="float32", quantization=None)
+    _rewrite(path, lambda s: s.pop(f"{down}.weight_scale_inv"))
+    with pytest.raises(WeightLoadError, match=rf"{path}: .*missing tensors: {down}\.weight_scale_inv"):
+        LoadedModel(path, dtype="float32", quantization=None)
+    _rewrite(path, lambda s: (s.update(good), s.__setitem__(f"{down}.weight", s[f"{down}.weight"].float()
+                                                             .to(torch.float8_e5m2))))
+    with pytest.raises(WeightLoadError, match=rf"{down}\.weight: fp8 weight is torch\.float8_e5m2, not float8_e4m3fn"):
+        LoadedModel(path, dtype="float32", quantization=None)
+    _rewrite(path, lambda s: s.__setitem__(f"{down}.weight", s[f"{down}.weight"].float().bfloat16()))
+    with pytest.raises(WeightLoadError, match=r"weight is torch\.bfloat16, not float8_e4m3fn \(a layer stored "
+                                              r"unquantized must be named in the quantization_config's ignored_layers"):
+        LoadedModel(path, dtype="float32", quantization=None)
+    with pytest.raises(ConfigError, match=rf"{path} is a FP8 checkpoint: it runs with quantization fp8 only, not int8"):
+        LoadedModel(path, dtype="float32", quantization="int8")
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda c: c.update(format="pack-quantized"), "format 'pack-quantized' is not supported"),
+    (lambda c: c["config_groups"]["group_0"]["weights"].update(num_bits=4, type="int"),
+     r"config_groups\.group_0\.weights are 4-bit int; qwenserve loads 8-bit float \(FP8\) weights"),
+    (lambda c: c["config_groups"]["group_0"]["weights"].update(strategy="group"),
+     "weights strategy 'group' is not supported"),
+])
+def test_unsupported_compressed_tensors_configs_are_refused(tmp_path, change, message):
+    path = str(tmp_path / "ct")
+    write_fp8(path, qwen2(), "ct-channel")
+    _rewrite(path, change_config=change)
+    with pytest.raises(ConfigError, match=rf"{path}: compressed-tensors .*{message}"):
+        LoadedModel(path, dtype="float32", quantization=None)
+
+
+def test_wrong_compressed_tensors_scale_shape_is_refused(tmp_path):
+    path = str(tmp_path / "ct")
+    write_fp8(path, qwen2(), "ct-channel")
+    name = "model.layers.0.self_attn.o_proj.weight_scale"
+    _rewrite(path, lambda s: s.__setitem__(name, s[name][:1, 0]))
+    with pytest.raises(WeightLoadError, match=rf"{name}: weight_scale has shape \(1,\); strategy channel needs one "
+                                              r"value per output row, \[160, 1\]"):
+        LoadedModel(path, dtype="float32", quantization=None)
+
+
+# ---- KV cache scales ----------------------------------------------------------------------------------------------
+
+def prefill_cache(model, dtype, ids=IDS):
+    """The KV cache (one slot per token, slot i = token i) after one prefill of ids."""
+    from qwenserve.model.layers.attention import AttentionMetadata, PagedKVCache, PrefillSpan
+    spec = model.kv_cache_spec()
+    cache = PagedKVCache(spec.num_layers, -(-len(ids) // 16), 16, spec.num_kv_heads, spec.head_dim, dtype)
+    positions = torch.arange(len(ids))
+    keys = {}
+    hooks = [layer.self_attn.attn.register_forward_pre_hook(
+        lambda m, args, i=i: keys.__setitem__(i, (args[1].clone(), args[2].clone())))
+        for i, layer in enumerate(model.model.layers)]
+    with torch.no_grad():
+        model(torch.tensor(ids), positions, AttentionMetadata(cache, positions, [], [PrefillSpan(0, len(ids), None,
+                                                                                                 len(ids))]))
+    for h in hooks:
+        h.remove()
+    return cache, keys
+
+
+def written(cache, layer, n=len(IDS)):
+    """(k codes, v codes, k scales, v scales) of the first n slots."""
+    return tuple(t.view(-1, *t.shape[2:])[:n] for t in (cache.k[layer], cache.v[layer], cache.k_scales[layer],
+                                                         cache.v_scales[layer]))
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.int8])
+def test_checkpoint_kv_scales_are_the_caches_scales(tmp_path, cache_dtype):
+    path = str(tmp_path / "kv")
+    write_fp8(path, qwen3(), "block")
+    k0, v0, kv1 = (torch.tensor(value) for value in (0.011, 0.007, 0.009))  # float32, as checkpoints hold them
+    # vLLM's names, and the older one for both
+    scales = {"model.layers.0.self_attn.k_scale": k0, "model.layers.0.self_attn.v_scale": v0,
+              "model.layers.1.self_attn.kv_scale": kv1}
+    _rewrite(path, lambda s: s.update(scales))
+    model = LoadedModel(path, dtype="float32", quantization=None).model
+    assert model.model.layers[0].self_attn.attn.kv_scales == (k0.item(), v0.item())
+    assert model.model.layers[1].self_attn.attn.kv_scales == (kv1.item(), kv1.item())
+    cache, kv = prefill_cache(model, cache_dtype)
+    top = torch.finfo(cache_dtype).max if cache_dtype.is_floating_point else 127
+    for layer, (k_scale, v_scale) in enumerate([(k0.item(), v0.item()), (kv1.item(), kv1.item())]):
+        k_codes, v_codes, k_scales, v_scales = written(cache, layer)
+        for codes, stored, x, checkpoint_scale in ((k_codes, k_scales, kv[layer][0], k_scale),
+                                                   (v_codes, v_scales, kv[layer][1], v_scale)):
+            scale = torch.tensor(checkpoint_scale * 448 / top).bfloat16()  # e4m3's range stretched to the dtype's
+            assert (stored == scale).all()
+            want = (x / scale.float()).clamp(-top, top)
+            want = want.to(cache_dtype) if cache_dtype.is_floating_point else want.round().to(cache_dtype)
+            assert torch.equal(codes.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_without_kv_scales_the_cache_scales_each_token(tmp_path):
+    path = str(tmp_path / "block")
+    write_fp8(path, qwen3(), "block")
+    model = LoadedModel(path, dtype="float32", quantization=None).model
+    assert model.model.layers[0].self_attn.attn.kv_scales is None
+    cache, kv = prefill_cache(model, torch.float8_e4m3fn)
+    k_codes, _, k_scales, _ = written(cache, 0)
+    torch.testing.assert_close(k_scales, (kv[0][0].abs().amax(-1) / 448).bfloat16(), atol=0, rtol=0)
+    assert k_scales.unique().numel() > 10
+
+
+def test_kv_cache_dtype_fp8_generates_with_and_without_checkpoint_scales(tmp_path):
+    ref = write_fp8(tmp_path / "plain", qwen3(), "block")
+    write_fp8(tmp_path / "scaled", qwen3(), "block")
+    # scales well above the keys' range: the tokens stay the reference's (fp8's rounding aside)
+    _rewrite(str(tmp_path / "scaled"), lambda s: s.update({f"model.layers.{i}.self_attn.kv_scale": torch.tensor(0.05)
+                                                           for i in range(2)}))
+    prompts = [list(range(3 + i, 14 + 3 * i)) for i in range(2)]
+    for name in ("plain", "scaled"):
+        llm = LLM(str(tmp_path / name), dtype="float32", kv_cache_dtype="fp8", kv_cache_memory="8MiB")
+        outputs = greedy_tokens(llm, prompts)
+        assert all(len(out) == 10 for out in outputs)
+        with torch.no_grad():  # each token within fp8's error of the reference's best
+            for prompt, out in zip(prompts, outputs):
+                logits = ref(torch.tensor([prompt + out])).logits[0, len(prompt) - 1:-1]
+                chosen = logits.gather(1, torch.tensor(out)[:, None])[:, 0]
+                assert (chosen >= logits.max(-1).values - 0.05 * logits.abs().max()).all()
+
+
+def test_bad_kv_scale_is_refused(tmp_path):
+    path = str(tmp_path / "kv")
+    write_fp8(path, qwen3(), "block")
+    _rewrite(path, lambda s: s.__setitem__("model.layers.0.self_attn.k_scale", torch.ones(2)))
+    with pytest.raises(WeightLoadError, match=r"model\.layers\.0\.self_attn\.k_scale: a KV cache scale must be one "
+                                              r"floating-point value \(per tensor\)"):
+        LoadedModel(path, dtype="float32", quantization=None)
