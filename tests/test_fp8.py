@@ -267,6 +267,19 @@ def test_fp8_experts_match_their_dequantized_weights(tmp_path, kind):
     torch.testing.assert_close(full_logits(model, IDS), hf_logits(ref), atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
+def test_tensor_parallel_ranks_load_their_slices_of_codes_and_scales(tmp_path):
+    """At 2 ranks each rank's rows and columns of the codes and of the 128x128 scale grid; the row-parallel inputs
+    split at a block boundary (256 and 512 columns)."""
+    from helpers import tensor_parallel_logits
+    hf = tiny_qwen3(14, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=64)
+    ref = write_fp8(tmp_path / "tp", hf, "block")
+    results = tensor_parallel_logits(str(tmp_path / "tp"), 2, IDS, quantization="fp8")
+    for rank in range(2):
+        torch.testing.assert_close(torch.from_numpy(results[rank]), hf_logits(ref), atol=1e-4, rtol=1e-4)
+
+
 # ---- online ---------------------------------------------------------------------------------------------------
 
 def test_online_fp8_quantizes_each_checkpoint_tensor_as_a_block_checkpoint_holds_it(tmp_path, monkeypatch):
@@ -428,6 +441,19 @@ def test_checkpoint_kv_scales_are_the_caches_scales(tmp_path, cache_dtype):
             want = (x / scale.float()).clamp(-top, top)
             want = want.to(cache_dtype) if cache_dtype.is_floating_point else want.round().to(cache_dtype)
             assert torch.equal(codes.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_compressed_tensors_kv_scales_are_the_projections_output_scales(tmp_path):
+    path = str(tmp_path / "ct")
+    write_fp8(path, qwen2(), "ct-channel")
+    k, v = torch.tensor([0.013]), torch.tensor([0.006])  # [1], as compressed-tensors' kv_cache_scheme writes them
+    _rewrite(path, lambda s: s.update({"model.layers.1.self_attn.k_proj.output_scale": k,
+                                       "model.layers.1.self_attn.v_proj.output_scale": v}))
+    model = LoadedModel(path, dtype="float32", quantization=None).model
+    assert model.model.layers[0].self_attn.attn.kv_scales is None
+    assert model.model.layers[1].self_attn.attn.kv_scales == (k.item(), v.item())
+    _, _, k_scales, v_scales = written(prefill_cache(model, torch.float8_e4m3fn)[0], 1)
+    assert (k_scales == k.bfloat16()).all() and (v_scales == v.bfloat16()).all()
 
 
 def test_without_kv_scales_the_cache_scales_each_token(tmp_path):
