@@ -175,6 +175,22 @@ def projection(model, layer, name):
     return getattr(block.self_attn if name in ("qkv_proj", "o_proj") else block.mlp, name)
 
 
+def test_dequantize_is_code_times_scale_in_float32_for_every_code():
+    """dequantize reads the codes' bits as float32 (not torch's conversion): every finite e4m3 code, edge groups, a
+    scale too large for that trick, all bit for bit as code.float() * scale."""
+    from qwenserve.model.layers.quantization.fp8 import dequantize
+    every = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(E4M3)
+    finite = every[every.float().isfinite()]  # 254: 0x7f and 0xff are NaN
+    codes = finite.repeat(300)[:300 * 254].view(300, 254)
+    for group in (128, 254, 100):
+        scales = torch.rand(300, -(-254 // group)) * 3e-3 + 1e-7
+        want = codes.float() * scales.repeat_interleave(group, 1)[:, :254]
+        assert torch.equal(dequantize(codes, scales, group, torch.float32), want)
+        assert torch.equal(dequantize(codes, scales, group, torch.bfloat16), want.bfloat16())
+    large = torch.full((300, 1), 300.0)
+    assert torch.equal(dequantize(codes, large, 254, torch.float32), codes.float() * 300.0)
+
+
 # ---- checkpoints ------------------------------------------------------------------------------------------------
 
 def test_block_fp8_checkpoint_matches_its_dequantized_weights(tmp_path):
@@ -230,6 +246,15 @@ def test_ignored_layers_stay_dense(tmp_path):
     assert projection(model, 1, "qkv_proj").weight.dtype == E4M3
     assert projection(model, 0, "down_proj").weight.dtype == E4M3
     torch.testing.assert_close(full_logits(model, IDS), hf_logits(ref), atol=2e-5, rtol=1e-5)
+
+
+def test_a_fused_layer_is_ignored_whole_or_not_at_all(tmp_path):
+    config = dict(BLOCK_CONFIG, ignored_layers=["model.layers.0.self_attn.q_proj"])
+    write_fp8(tmp_path / "half", qwen3(), "block", ignore=("model.layers.0.self_attn.q_proj",), config=config)
+    with pytest.raises(ValueError, match=r"fp8: quantization_config leaves model\.layers\.0\.self_attn\.q_proj "
+                                         r"unquantized but not model\.layers\.0\.self_attn\.k_proj, "
+                                         r"model\.layers\.0\.self_attn\.v_proj; qwenserve holds them as one fused"):
+        LoadedModel(str(tmp_path / "half"), dtype="float32", quantization=None)
 
 
 def test_compressed_tensors_ignore_takes_regular_expressions(tmp_path):

@@ -153,13 +153,32 @@ def ignored(name: str, patterns: tuple[str, ...]) -> bool:
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
     """codes [rows, K] (e4m3) and scales [rows, ceil(K / group)] -> weights [rows, K] in dtype, each the float32
-    product code * scale rounded once to dtype."""
-    weights = codes.float()
-    if scales.shape[1] == 1:
-        weights.mul_(scales)
+    product code * scale rounded once to dtype.
+
+    torch's own e4m3 -> float32 conversion runs element by element on the CPU (7.5 ms a million codes on this
+    project's 2-core machine, against 2.4 ms for most of the bit operations here); instead the code's bits are placed in a float32's (sign to sign; exponent and mantissa to the
+    low bits of float32's exponent and the top of its mantissa), which reads as code * 2^-120 exactly, subnormal
+    codes included, and the 2^120 rides in the scale: the product is the same float32. (The NaN codes 0x7f / 0xff
+    read as 480; no checkpoint holds them.) A scale of 2^8 or more would overflow times 2^120 and takes torch's
+    conversion."""
+    if bool((scales.abs() >= _UNBIAS_LIMIT).any()):
+        weights, factor = codes.float(), scales
     else:
-        weights.mul_(scales.repeat_interleave(group, 1)[:, :weights.shape[1]])
+        bits = codes.view(torch.uint8).to(torch.int32)
+        weights = (((bits & 0x80) << 24) | ((bits & 0x7F) << 20)).view(torch.float32)
+        factor = scales * _UNBIAS
+    rows, k = weights.shape
+    if factor.shape[1] == 1:
+        weights.mul_(factor)
+    elif k % group == 0:
+        weights.view(rows, k // group, group).mul_(factor.unsqueeze(-1))
+    else:
+        weights.mul_(factor.repeat_interleave(group, 1)[:, :k])
     return weights.to(dtype)
+
+
+_UNBIAS = 2.0 ** 120  # float32's exponent bias (127) less e4m3's (7)
+_UNBIAS_LIMIT = 2.0 ** 8
 
 
 def quantize_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,7 +222,8 @@ def fill_scales(config: FP8Config, target: torch.Tensor, loaded: torch.Tensor, o
     if strategy == "block":
         bn, bk = config.block
         if in_start % bk:
-            raise ValueError(f"this rank's input columns start at {in_start}, inside a {bk}-column scale block")
+            raise ValueError(f"this rank's input columns start at {in_start}, inside a {bk}-column scale block: "
+                             f"choose a tensor_parallel_size that splits the inputs at multiples of {bk}")
         want = (-(-size // bn), -(-in_size // bk))
         if exact:
             fits = tuple(loaded.shape) == want
