@@ -1,6 +1,6 @@
 // The op entry points, one definition each in the op family's source file (norm.cpp, rotary.cpp,
 // activation.cpp, attention.cpp, prefill_attention.cpp, sampling.cpp, lora.cpp, ggml/dispatch.cpp,
-// ggml/experts.cpp, roof.cpp), declared here so register.cpp can bind them to the schemas of the variant's torch.ops namespace
+// ggml/experts.cpp, dense.cpp, roof.cpp), declared here so register.cpp can bind them to the schemas of the variant's torch.ops namespace
 // in one place. Each checks its arguments and dispatches on the dtype (float32, float64, bfloat16, float16; the ggml
 // ops: float32, bfloat16, float16; prefill_attention: bf16 only); the shapes each expects are documented at its
 // definition.
@@ -52,6 +52,8 @@ void ggml_allow_amx(bool allow);
 at::Tensor ggml_moe(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights, const at::Tensor& gate,
                     int64_t gate_type, const std::optional<at::Tensor>& up, int64_t up_type, const at::Tensor& down,
                     int64_t down_type, int64_t group, int64_t act_levels);
+// dense.cpp: out = x w^T + bias on bf16 / fp16 weights widened in registers (CPUs without bf16 arithmetic)
+void dense_mm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias);
 // roof.cpp: GOP/s (2 per int8 MAC) of a register-only loop of this build's int8 tile instructions on one thread and
 // on `threads` threads (0: all of torch's), and their name; amx: the AMX tile multiplies instead (where allowed)
 std::tuple<double, double, std::string> int8_roof(int64_t threads, double seconds, bool amx);

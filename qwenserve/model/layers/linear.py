@@ -5,12 +5,25 @@ full checkpoint tensor into it, so the model loader needs no knowledge of the sh
 """
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from qwenserve.distributed.layout import shard_kv_heads
 from qwenserve.distributed.tensor_parallel import TensorParallel
+from qwenserve.kernels import chosen_variant, cpu_ops_for
+
+logger = logging.getLogger(__name__)
+
+# Below this many activation rows a 2-byte weight is widened in registers inside our dot products (dense_mm); from
+# here its slices are widened to float32 once and multiplied by float32 matmuls (docs/performance.md, "Dense bf16
+# and fp16 weights without bf16 arithmetic")
+WIDEN_IN_REGISTERS_BELOW_ROWS = 32
+# weights widened to float32 at a time on the many-rows route: the slice stays in cache while it is multiplied
+WIDEN_SLICE_WEIGHTS = 1 << 20
 
 
 class LinearMethod:
@@ -29,15 +42,50 @@ class LinearMethod:
 
 
 def cpu_weight_packing_available(weight: torch.Tensor) -> bool:
-    """oneDNN can pre-arrange a bf16 weight for its CPU kernels (the layout Inductor uses when freezing)."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+    """oneDNN can pre-arrange a bf16 weight for its CPU kernels (the layout Inductor uses when freezing): the CPU
+    multiplies bf16 in hardware, as the chosen kernel variant sees it."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and variant_has_bf16()
             and hasattr(torch.ops.mkldnn, "_linear_pointwise") and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def variant_has_bf16() -> bool:
+    """False where the kernel variant this process runs is an x86 build without AVX512-BF16: `--cpu-isa avx2` on a
+    CPU that has more then runs bf16 layers as an AVX2 CPU does."""
+    variant = chosen_variant()
+    return variant is None or variant.arch != "x86_64" or "avx512_bf16" in variant.needs
+
+
+def widening_ops(weight: torch.Tensor):
+    """The kernel library whose dense_mm runs this 2-byte weight (bf16 or fp16 on a CPU without arithmetic in it);
+    None where PyTorch's own matmul runs it."""
+    if weight.dtype not in (torch.bfloat16, torch.float16) or cpu_weight_packing_available(weight):
+        return None
+    ops = cpu_ops_for(weight.device)
+    return ops if ops is not None and hasattr(ops, "dense_mm") else None
+
+
+def widened_linear(ops, weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T + b for a bf16 / fp16 weight on a CPU without arithmetic in its dtype, the weight never held widened
+    whole: few rows through dense_mm, many through float32 matmuls on slices widened one at a time."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    out = rows.new_empty(rows.shape[0], weight.shape[0])
+    if rows.shape[0] < WIDEN_IN_REGISTERS_BELOW_ROWS:
+        ops.dense_mm(out, rows, weight, bias)
+    else:
+        wide_rows = rows.float()
+        step = max(8, WIDEN_SLICE_WEIGHTS // weight.shape[1])
+        for start in range(0, weight.shape[0], step):
+            out[:, start:start + step] = torch.mm(wide_rows, weight[start:start + step].float().t())
+        if bias is not None:
+            out += bias
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
 class UnquantizedLinearMethod(LinearMethod):
-    """Dense weights in the run dtype. In bf16 on the CPU the weight is swapped after loading for oneDNN's
-    pre-arranged copy (about 30% faster decode matmuls, same results); the plain weight is then dropped, so
-    this costs no memory, unless the layer shares it (a tied LM head keeps it for the embedding lookup)."""
+    """Dense weights in the run dtype. In bf16 on a CPU with bf16 arithmetic the weight is swapped after loading for
+    oneDNN's pre-arranged copy (about 30% faster decode matmuls, same results); the plain weight is then dropped, so
+    this costs no memory, unless the layer shares it (a tied LM head keeps it for the embedding lookup). On a CPU
+    without it, bf16 and fp16 weights stay as they are and run through widened_linear."""
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int) -> None:
         layer.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
@@ -52,11 +100,32 @@ class UnquantizedLinearMethod(LinearMethod):
             layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), 32)
             if not getattr(layer, "weight_is_shared", False):
                 layer.weight = None
+        layer.widening_ops = widening_ops(layer.weight) if layer.weight is not None else None
+        if layer.packed_weight is not None or layer.widening_ops is not None:
+            _log_route(layer.packed_weight is not None, (layer.weight if layer.weight is not None else
+                                                         layer.packed_weight).dtype)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if layer.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), layer.packed_weight, bias, "none", [], "")
+        ops = getattr(layer, "widening_ops", None)
+        if ops is not None:
+            return widened_linear(ops, layer.weight, x, bias)
         return F.linear(x, layer.weight, bias)
+
+
+@functools.cache
+def _log_route(packed: bool, dtype: torch.dtype) -> None:
+    """Say once per process how dense 2-byte weights run, and why."""
+    name = str(dtype).removeprefix("torch.")
+    if packed:
+        logger.info("dense %s weights: oneDNN's %s matmuls (the CPU and the kernel variant have bf16 arithmetic)",
+                    name, name)
+    else:
+        variant = chosen_variant()
+        logger.info("dense %s weights: kept in %s and widened to float32 inside qwenserve's dense_mm (kernel variant "
+                    "%s: no bf16 arithmetic), float32 matmuls on widened slices from %d rows", name, name,
+                    variant.name if variant else "none", WIDEN_IN_REGISTERS_BELOW_ROWS)
 
 
 def _check_shape(param: nn.Parameter, loaded: torch.Tensor, what: str) -> None:
