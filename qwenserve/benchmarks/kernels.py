@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from qwenserve.config.engine_config import EngineConfig
 from qwenserve.kernels import cpu_ops_for, use_cpu_kernels
-from qwenserve.model.layers.linear import cpu_weight_packing_available
+from qwenserve.model.layers.linear import cpu_weight_packing_available, widened_linear, widening_ops
 from qwenserve.model.loader.ggml_tensor import GGMLTensor
 from qwenserve.model.loader.model_loader import load_model
 from qwenserve.model.loader.resolve import resolve_model
@@ -94,6 +94,8 @@ def _alternatives(out_features: int, in_features: int, dtype: torch.dtype) -> di
         packed = torch.ops.mkldnn._reorder_linear_weight(dense, 32)
         alts["dense"] = (lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
                          dense.numel() * dense.element_size())
+    elif (widening := widening_ops(dense)) is not None:  # as a dense checkpoint runs where bf16 is not native
+        alts["dense"] = (lambda x: widened_linear(widening, dense, x, None), dense.numel() * dense.element_size())
     else:
         alts["dense"] = (lambda x: F.linear(x, dense), dense.numel() * dense.element_size())
     scale = (w.abs().amax(1) / 127).to(dtype)
