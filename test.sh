@@ -9,4 +9,5 @@ bash scripts/ensure_venv.sh
 bash scripts/ensure_browser.sh  # the Chromium tests/test_web_ui.py drives (a no-op once installed)
 bash scripts/ensure_arm_tools.sh  # the aarch64 cross-compiler and qemu tests/test_arm_kernels.py use (likewise)
 bash scripts/ensure_prometheus.sh  # the Prometheus server tests/test_prometheus.py scrapes qwenserve with (likewise)
+bash scripts/ensure_container_builder.sh  # the podman tests/test_container_image.py builds the image with (likewise)
 exec .venv/bin/python -m pytest -q "$@"

@@ -17,7 +17,7 @@ from helpers import PROMPTS, assert_hf_greedy, greedy_tokens, save_hf_dir, tiny_
 
 
 # the markers (declared in pyproject.toml) of the tests the quick loop leaves out
-NOT_QUICK = ("slow", "browser", "ray", "multiproc", "kernels", "cuda", "prometheus")
+NOT_QUICK = ("slow", "browser", "ray", "multiproc", "kernels", "cuda", "prometheus", "container")
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects on the markers
