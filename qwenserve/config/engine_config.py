@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field
 
 from qwenserve.config.cpu_variants import AUTO, VARIANTS, choose_variant
+from qwenserve.config.dual_chunk_config import parse_hf_overrides
 from qwenserve.config.environment import env_defaults
 from qwenserve.config.errors import ConfigError
 from qwenserve.config.model_config import resolve_kv_cache_dtype
@@ -98,8 +99,15 @@ class LoadConfig:
                                          "captured graph; same results), to compare or debug (default: off)",
                                   env="QWENSERVE_ENFORCE_EAGER")
 
+    hf_overrides: dict | None = setting(
+        None, "JSON object merged into the checkpoint's config.json (a nested object key by key) before it is read, "
+              "as vLLM's flag: e.g. '{\"dual_chunk_attention_config\": {\"chunk_size\": 262144, \"local_size\": "
+              "8192, \"original_max_position_embeddings\": 32768}}' turns on dual-chunk attention "
+              "(docs/long_context.md) (default: none)", type=str)
+
     def __post_init__(self):
         choose_variant(self.cpu_isa)  # an unknown name, or a variant this CPU cannot run, fails here, not at load
+        object.__setattr__(self, "hf_overrides", parse_hf_overrides(self.hf_overrides))
 
 
 @dataclass(frozen=True)

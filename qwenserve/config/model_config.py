@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from qwenserve.config.dual_chunk_config import FIELD as DUAL_CHUNK_FIELD, DualChunkConfig
 from qwenserve.config.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -164,6 +165,8 @@ class ModelConfig:
     # the attention projections' biases as config.json's attention_bias says; None: the family's own default
     # (Qwen2: q/k/v biases; Qwen3: none)
     attention_bias: bool | None = None
+    # dual-chunk attention (config.json's dual_chunk_attention_config); None: ordinary attention
+    dual_chunk: DualChunkConfig | None = None
     # config.json keys not modelled here (a family's own fields, for its model class, and for convert); for a GGUF
     # file, what its model class's gguf_config_fields makes of the metadata
     extra: dict = field(default_factory=dict, compare=False)
@@ -208,6 +211,15 @@ class ModelConfig:
             if self.rope_scaling is not None and self.rope_scaling["rope_type"] == "dynamic":
                 raise ConfigError("config field rope_scaling: dynamic NTK scaling is not supported with "
                                   "mrope_section (multimodal rotary)")
+        if self.dual_chunk is not None:
+            # DCA remaps plain RoPE positions; a scaled or multimodal rotary on top has no reference to follow
+            if self.rope_scaling is not None:
+                raise ConfigError(f"config fields {DUAL_CHUNK_FIELD} and rope_scaling are both set; dual-chunk "
+                                  f"attention runs on plain RoPE: remove one (e.g. --hf-overrides "
+                                  f"'{{\"rope_scaling\": null}}')")
+            if self.mrope_section is not None:
+                raise ConfigError(f"config field {DUAL_CHUNK_FIELD} is not supported with multimodal rotary "
+                                  f"(rope_scaling.mrope_section)")
 
     @property
     def derived_max_model_len(self) -> int:
@@ -234,10 +246,11 @@ class ModelConfig:
     # ---- readers -----------------------------------------------------------------------------------
 
     @classmethod
-    def from_hf_dict(cls, cfg: dict) -> "ModelConfig":
+    def from_hf_dict(cls, cfg: dict, sparse_attention_file: bool = False) -> "ModelConfig":
         """From a config.json dict, in either transformers 4 (rope_theta/rope_scaling) or 5 (rope_parameters) form.
         A vision-language config keeps its language model's fields at the top level (as published) or in
-        text_config (as transformers 5 saves it)."""
+        text_config (as transformers 5 saves it). sparse_attention_file: the checkpoint holds
+        sparse_attention_config.json (dual-chunk attention's sparse part)."""
         if isinstance(cfg.get("text_config"), dict):
             text = cfg["text_config"]
             tied = bool(cfg.get("tie_word_embeddings") or text.get("tie_word_embeddings"))
@@ -267,7 +280,8 @@ class ModelConfig:
                                "num_attention_heads") if k not in cfg]
         if missing:
             raise ConfigError(f"config.json lacks required field(s) {', '.join(missing)}")
-        known = {f.name for f in dataclasses.fields(cls)} | {"rope_parameters", "rope_scaling", "dtype"}
+        known = {f.name for f in dataclasses.fields(cls)} | {"rope_parameters", "rope_scaling", "dtype",
+                                                            DUAL_CHUNK_FIELD}
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -289,6 +303,7 @@ class ModelConfig:
             vision=vision,
             head_dim=cfg.get("head_dim"),
             attention_bias=cfg.get("attention_bias"),
+            dual_chunk=DualChunkConfig.from_hf(cfg.get(DUAL_CHUNK_FIELD), sparse_attention_file),
             extra={k: v for k, v in cfg.items() if k not in known},
         )
 
@@ -307,10 +322,17 @@ class ModelConfig:
         )
         if self.attention_bias is not None:
             cfg["attention_bias"] = self.attention_bias
+        if self.dual_chunk is not None:
+            cfg[DUAL_CHUNK_FIELD] = dataclasses.asdict(self.dual_chunk)
         cfg["rope_scaling"] = dict(self.rope_scaling, type=self.rope_scaling["rope_type"]) if self.rope_scaling else None
         return cfg
 
     def log_shape(self, dtype: torch.dtype, max_model_len: int) -> None:
+        if self.dual_chunk is not None:
+            d = self.dual_chunk
+            logger.info("dual-chunk attention: chunks of %d tokens (chunk_size %d, local_size %d), "
+                        "original_max_position_embeddings %d", d.chunk_len, d.chunk_size, d.local_size,
+                        d.original_max_position_embeddings)
         logger.info("model: %d layers, hidden %d, %d heads, %d kv heads, head_dim %d, rope theta %g%s, dtype %s, "
                     "max_model_len %d", self.num_hidden_layers, self.hidden_size, self.num_attention_heads,
                     self.num_key_value_heads, self.head_dim, self.rope_theta,

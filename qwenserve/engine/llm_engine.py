@@ -124,10 +124,11 @@ class LLMEngine:
             raise RequestError(f"request id {request_id!r} is already in use")
         params = request.params
         lora = request.lora_request
+        salt = (lora.cache_salt if lora is not None else b"") + self._length_salt(len(request.prompt_token_ids))
         seqs = [Sequence(seq_id=next(self._seq_ids), request_id=request_id, index=i,
                          token_ids=list(request.prompt_token_ids), num_prompt_tokens=len(request.prompt_token_ids),
                          params=params.child(i) if params.n > 1 else params, lora_request=lora,
-                         cache_salt=lora.cache_salt if lora is not None else b"", images=request.images)
+                         cache_salt=salt, images=request.images)
                 for i in range(params.n)]
         seqs[0].fork_children = seqs[1:]  # siblings start from the first one's prompt blocks
         self.output_processor.add_request(request_id, request, seqs, arrival_time or time.time())
@@ -135,6 +136,15 @@ class LLMEngine:
             self.structured_output.add(request_id, seqs)  # scheduled once its grammar is compiled
         else:
             self.scheduler.add(seqs[0])
+
+    def _length_salt(self, prompt_len: int) -> bytes:
+        """The prefix-cache key a prompt's length adds: under dual-chunk attention past its
+        original_max_position_embeddings every layer's K/V depend on the prompt's length (its temperature), so
+        only prompts of one length share blocks; otherwise nothing."""
+        dca = self.resolved_model.config.dual_chunk
+        if dca is None or dca.temperature(prompt_len) == 1.0:
+            return b""
+        return b"dca-prompt-length:%d" % prompt_len
 
     # ---- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) ------------------------------------
 

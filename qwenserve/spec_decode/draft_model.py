@@ -114,7 +114,7 @@ class DraftModelProposer:
         elif (lens_arr != longest).any():
             mask = self._tensor(np.arange(longest)[None, :] < lens_arr[:, None], torch.bool)[:, None, None, :]
         index = None if len(rows) == num_rows else self._tensor(rows)
-        return DecodeGroup(index, self._tensor(block_tables), longest, mask, context_lens)
+        return DecodeGroup(index, self._tensor(block_tables), longest, mask, context_lens, tuple(lens))
 
     def _tensor(self, data, dtype=torch.long) -> torch.Tensor:
         return torch.as_tensor(data, dtype=dtype).to(self.device)

@@ -128,7 +128,7 @@ class InputBatch:
     def prepare(self, scheduler_output: SchedulerOutput, kv_cache: PagedKVCache) -> ModelInputs:
         bs = self.block_size
         ids, positions, slots = [], [], []
-        decode_rows, decode_tables, decode_lens, prefills = [], [], [], []
+        decode_rows, decode_tables, decode_lens, decode_prompts, prefills = [], [], [], [], []
         sample_rows, sampling_seqs, prompt_chunks, lora_spans, image_rows, drafts_of = [], [], [], [], [], []
         row = 0
         for seq_id, n in scheduler_output.num_scheduled_tokens.items():
@@ -150,8 +150,10 @@ class InputBatch:
                 decode_rows.append(row)
                 decode_tables.append(table)
                 decode_lens.append(end)
+                decode_prompts.append(seq.num_prompt_tokens)
             else:
-                prefills.append(PrefillSpan(row, row + n, None if start == 0 else self._tensor(table), end))
+                prefills.append(PrefillSpan(row, row + n, None if start == 0 else self._tensor(table), end,
+                                            seq.num_prompt_tokens))
             if end == len(tokens):
                 sample_rows.extend(range(row + n - 1 - len(drafts), row + n))
                 sampling_seqs.append(seq)
@@ -162,14 +164,15 @@ class InputBatch:
                 lora_spans.append((row, row + n, seq.lora_request))
             row += n
 
-        decode = self._decode_groups(decode_rows, decode_tables, decode_lens, row)
+        decode = self._decode_groups(decode_rows, decode_tables, decode_lens, decode_prompts, row)
         metadata = AttentionMetadata(kv_cache, self._tensor(np.concatenate(slots)), decode, prefills)
         return ModelInputs(input_ids=self._tensor(ids), positions=self._tensor(np.concatenate(positions, axis=-1)),
                            attn_metadata=metadata, sample_rows=self._tensor(sample_rows), sampling_seqs=sampling_seqs,
                            prompt_chunks=prompt_chunks, lora_spans=lora_spans, image_rows=image_rows,
                            draft_token_ids=drafts_of)
 
-    def _decode_groups(self, rows: list[int], tables: list[np.ndarray], lens: list[int], num_rows: int):
+    def _decode_groups(self, rows: list[int], tables: list[np.ndarray], lens: list[int], prompt_lens: list[int],
+                       num_rows: int):
         """Decode tokens as batched attentions. The CPU kernel takes them all in one group, each sequence read at
         its own length. Otherwise up to MAX_DECODE_GROUPS groups of similar context length, each padded (gathered
         and masked) only to its own longest context."""
@@ -195,5 +198,6 @@ class InputBatch:
                 mask = self._tensor(np.arange(longest)[None, :] < member_lens[:, None], torch.bool)[:, None, None, :]
             # one group holding the whole batch, in row order: its output needs no scatter
             index = None if len(groups) == 1 and len(rows) == num_rows else self._tensor(np.asarray(rows)[members])
-            out.append(DecodeGroup(index, self._tensor(block_tables), longest, mask, context_lens))
+            out.append(DecodeGroup(index, self._tensor(block_tables), longest, mask, context_lens,
+                                   tuple(member_lens.tolist()), tuple(np.asarray(prompt_lens)[members].tolist())))
         return out

@@ -39,7 +39,7 @@ def full_logits(model: CausalLM, token_ids: list[int]) -> torch.Tensor:
     cache = PagedKVCache(spec.num_layers, -(-n // block), block, spec.num_kv_heads, spec.head_dim, spec.dtype,
                          device)
     positions = torch.arange(n, device=device)
-    metadata = AttentionMetadata(cache, positions, [], [PrefillSpan(0, n, None, n)])
+    metadata = AttentionMetadata(cache, positions, [], [PrefillSpan(0, n, None, n, prompt_len=n)])
     hidden = model(torch.tensor(token_ids, device=device), positions, metadata)
     return model.compute_logits(hidden).float()
 

@@ -154,6 +154,9 @@ class DecodeGroup:
     context_len: int  # keys to read (the longest context)
     mask: torch.Tensor | None  # [B, 1, 1, context_len], True = visible; None when all contexts are equal
     context_lens: torch.Tensor | None = None  # [B] int64: set when the group is built for the CPU kernel
+    # each sequence's length and prompt length (dual-chunk attention's chunks and temperature)
+    seq_lens: tuple[int, ...] = ()
+    prompt_lens: tuple[int, ...] = ()
 
 
 @dataclass
@@ -162,6 +165,7 @@ class PrefillSpan:
     end: int
     block_table: torch.Tensor | None  # None: no cached context, attend to this chunk only
     context_len: int  # cached + new tokens
+    prompt_len: int = 0  # the sequence's prompt length (dual-chunk attention's temperature); 0: unknown
 
 
 @dataclass

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from gguf import GGMLQuantizationType
 
+from qwenserve.config.dual_chunk_config import FIELD as DUAL_CHUNK_FIELD, merge_overrides
 from qwenserve.config.errors import ConfigError
 from qwenserve.config.model_config import DEFAULT_ROPE_THETA, ModelConfig
 from qwenserve.config.resolved_model import ResolvedModel
@@ -63,14 +64,16 @@ class Checkpoint:
         copied its weights into its own layout, and once the model holds them all."""
 
 
-def open_checkpoint(model: str | None = None) -> Checkpoint:
+def open_checkpoint(model: str | None = None, hf_overrides: dict | None = None) -> Checkpoint:
+    """hf_overrides: fields merged into config.json (a GGUF file's: into the config.json its metadata makes)
+    before the config is read and checked."""
     if model is None:
-        return GGUFCheckpoint(bundled.bundled_model_path(), model_id=bundled.MODEL_ID)
+        return GGUFCheckpoint(bundled.bundled_model_path(), model_id=bundled.MODEL_ID, hf_overrides=hf_overrides)
     if os.path.isdir(model):
-        return HFCheckpoint(model)
+        return HFCheckpoint(model, hf_overrides=hf_overrides)
     if os.path.isfile(model):
         if model.endswith(".gguf"):
-            return GGUFCheckpoint(model)
+            return GGUFCheckpoint(model, hf_overrides=hf_overrides)
         raise ValueError(f"--model {model} is a file but not a .gguf file; pass a GGUF file or an HF directory")
     raise ValueError(f"--model {model}: no such file or directory (qwenserve loads local checkpoints only: an HF "
                      "directory with config.json and *.safetensors, or a .gguf file)")
@@ -88,9 +91,10 @@ class HFCheckpoint(Checkpoint):
     format = "hf"
     NAMING = "HF names (model.layers.N.self_attn.q_proj.weight, ...) in *.safetensors"
 
-    def __init__(self, path: str, model_id: str | None = None, resolved: ResolvedModel | None = None):
+    def __init__(self, path: str, model_id: str | None = None, resolved: ResolvedModel | None = None,
+                 hf_overrides: dict | None = None):
         """resolved: what an engine made of this directory, whose configuration and file list are taken as
-        they are; without it config.json is read and checked."""
+        they are; without it config.json (with hf_overrides merged in) is read and checked."""
         if resolved is not None:
             super().__init__(path, model_id or path, resolved.config, self.NAMING, resolved.generation_config)
             self.files = list(resolved.weight_files)
@@ -102,7 +106,12 @@ class HFCheckpoint(Checkpoint):
             raise ValueError(f"{path} has no config.json, so it is not an HF checkpoint directory")
         with open(config_path) as f:
             raw_config = json.load(f)
-        config = ModelConfig.from_hf_dict(raw_config)
+        if hf_overrides:
+            raw_config = merge_overrides(raw_config, hf_overrides)
+        # Qwen's 1M checkpoints ship dual-chunk attention's sparse part beside config.json
+        sparse_file = (raw_config.get(DUAL_CHUNK_FIELD) is not None
+                       and os.path.isfile(os.path.join(path, "sparse_attention_config.json")))
+        config = ModelConfig.from_hf_dict(raw_config, sparse_attention_file=sparse_file)
         gen_path = os.path.join(path, "generation_config.json")
         generation = json.load(open(gen_path)) if os.path.isfile(gen_path) else {}
         super().__init__(path, model_id or path, config, self.NAMING, generation)
@@ -245,15 +254,18 @@ class GGUFCheckpoint(Checkpoint):
     format = "gguf"
 
     def __init__(self, path: str, model_id: str | None = None, config: ModelConfig | None = None,
-                 model_class: type | None = None):
+                 model_class: type | None = None, hf_overrides: dict | None = None):
         """config: the one an engine resolved from this file, taken as it is; without it the metadata is read
-        and checked. model_class: the class that runs it (default: the one registered for the config)."""
+        and checked. model_class: the class that runs it (default: the one registered for the config).
+        hf_overrides: fields merged into the config.json the metadata makes, then read and checked as one."""
         self.file = GGUFFile(path)
         if config is None:
             config = config_from_gguf(self.file.metadata, frozenset(self.file.tensors))
             if "output.weight" not in self.file.tensors:  # no separate LM head: it is the embedding
                 config = dataclasses.replace(config, tie_word_embeddings=True)
             config = dataclasses.replace(config, attention_bias="blk.0.attn_q.bias" in self.file.tensors)
+            if hf_overrides:
+                config = ModelConfig.from_hf_dict(merge_overrides(config.to_hf_dict(), hf_overrides))
         eos = _end_of_generation_ids(self.file.metadata, config.eos_token_id)
         generation = {"eos_token_id": eos} if eos else {}
         super().__init__(path, model_id or os.path.basename(path), config,

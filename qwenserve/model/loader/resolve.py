@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 
 
 def resolve_model(load: LoadConfig) -> ResolvedModel:
-    checkpoint = open_checkpoint(load.model)
+    checkpoint = open_checkpoint(load.model, load.hf_overrides)
     config = checkpoint.config
     architecture = MODEL_REGISTRY.resolve(config.architectures)
     resolved = ResolvedModel(
@@ -77,7 +77,8 @@ def resolve_draft_model(load: LoadConfig, draft: str, target: ResolvedModel, tar
     tokenizer is the target's token for token (its proposals are target token ids). Its vocabulary size may
     differ (Qwen2.5-0.5B pads its embeddings to 151936 rows, the larger ones to 152064): the tokenizer decides."""
     try:
-        resolved = resolve_model(dataclasses.replace(load, model=draft, quantization=None, max_model_len=None))
+        resolved = resolve_model(dataclasses.replace(load, model=draft, quantization=None, max_model_len=None,
+                                                          hf_overrides=None))
     except (ConfigError, ValueError) as e:  # the checkpoint's errors name the target's flag, --model
         why = str(e).removeprefix(f"--model {draft}").lstrip(": ")
         raise ConfigError(f"speculative_config: model {draft!r}: {why}") from None

@@ -26,6 +26,7 @@ from qwenserve.model.interface import KVCacheSpec
 from qwenserve.model.layers.activation import SiluAndMul
 from qwenserve.model.layers.attention import Attention, AttentionMetadata
 from qwenserve.model.layers.decode_layers import FusedDecodeLayers
+from qwenserve.model.layers.dual_chunk_attention import DualChunkAttention, DualChunkRotaryEmbedding
 from qwenserve.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from qwenserve.model.layers.layernorm import RMSNorm
 from qwenserve.model.layers.linear import LinearMethod, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -50,6 +51,12 @@ class Qwen2Attention(nn.Module):
         self.head_dim = head_dim
         self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, bias=o_bias, tp=tp,
                                         linear_method=linear_method)
+        scale = head_dim ** -0.5
+        if config.dual_chunk is not None:  # dual-chunk attention: its remapped rotary and its attention
+            self.rotary_emb = DualChunkRotaryEmbedding(head_dim, config.rope_theta, config.dual_chunk)
+            self.attn = DualChunkAttention(layer_idx, self.num_heads, self.num_kv_heads, head_dim, scale,
+                                           config.dual_chunk)
+            return
         if config.mrope_section is None:
             self.rotary_emb = RotaryEmbedding(head_dim, max_position, config.rope_theta,
                                               config.max_position_embeddings, config.rope_scaling)
@@ -57,7 +64,7 @@ class Qwen2Attention(nn.Module):
             self.rotary_emb = MRotaryEmbedding(head_dim, max_position, config.rope_theta,
                                                config.max_position_embeddings, config.rope_scaling,
                                                config.mrope_section)
-        self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, head_dim, scale=head_dim ** -0.5)
+        self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, head_dim, scale=scale)
 
     @staticmethod
     def biases(config: ModelConfig) -> tuple[bool, bool]:
@@ -114,6 +121,11 @@ class Qwen2DecoderLayer(nn.Module):
                  linear_method: LinearMethod | None, layer_number: int = 0):
         """layer_idx: the layer's index in its stage's KV cache; layer_number: its index in the whole model."""
         super().__init__()
+        if config.dual_chunk is not None:
+            # a part DecodeLayers does not run (its one rotary table and attention kernel are ordinary
+            # attention's), so this layer's decode steps run through the modules
+            self.decode_parts = tuple("self_attn.dual_chunk_attention" if part == "self_attn.attn" else part
+                                      for part in type(self).decode_parts)
         self.self_attn = self.attention_class(config, layer_idx, max_position, tp, linear_method)
         self.mlp = self.make_mlp(config, layer_number, tp, linear_method)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
