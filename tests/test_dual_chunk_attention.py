@@ -321,3 +321,36 @@ def test_hf_overrides_merge_nested_objects_and_clear_with_null(tiny):
               hf_overrides={"dual_chunk_attention_config": DCA, "rope_scaling": None, "rms_norm_eps": 1e-5})
     config = llm.engine.config.resolved_model.config
     assert config.dual_chunk.chunk_len == 16 and config.rms_norm_eps == 1e-5
+
+
+# ---- the benchmarks ---------------------------------------------------------------------------------------------
+
+def test_bench_long_context_and_passkey_run_each_mode(tiny, capsys):
+    """Both commands end to end on the tiny model (figures not asserted, only their shape)."""
+    from qwenserve.entrypoints.cli.main import main
+    _, path = tiny
+    engine = ["--model", path, "--dtype", "float32", "--kv-cache-memory", "4MiB"]
+    assert main(["bench", "long-context", *engine, "--lengths", "40", "70", "--output-len", "3", "--chunk-size", "24",
+                 "--local-size", "8", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [(r["mode"], r["prompt_len"]) for r in result["runs"]] == [("no-dca", 40), ("no-dca", 70), ("dca", 40),
+                                                                      ("dca", 70)]
+    assert result["prefill_ratio_70"] > 0 and result["runs"][3]["kv_mib"] > result["runs"][2]["kv_mib"]
+    assert main(["bench", "passkey", *engine, "--length", "240", "--depths", "0", "1", "--trials", "1",
+                 "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["window"] == 60 and result["local_size"] == 7
+    for mode in ("no-dca", "dca", "yarn"):
+        assert 0 <= result[f"{mode}_retrieval"] <= 1 and len(result[f"{mode}_per_depth"]) == 2
+
+
+def test_passkey_prompt_hides_the_key_at_its_depth(tiny):
+    from qwenserve.benchmarks.passkey import passkey_prompt
+    from qwenserve.model.loader.tokenizer import load_hf_tokenizer
+    _, path = tiny
+    tokenizer = load_hf_tokenizer(path)
+    texts = {depth: tokenizer.decode(passkey_prompt(tokenizer, 400, depth, 12345)) for depth in (0.0, 0.5, 1.0)}
+    assert texts[0.0].index("The pass key is 12345") < texts[0.0].index("The grass")
+    assert texts[1.0].rindex("The grass") < texts[1.0].index("The pass key is 12345") < texts[1.0].index("What is")
+    assert texts[0.5].index("The grass") < texts[0.5].index("12345") < texts[0.5].rindex("The grass")
+    assert all(len(passkey_prompt(tokenizer, 400, d, 12345)) == 400 for d in (0.0, 0.3))

@@ -1,5 +1,6 @@
 """`qwenserve bench ...`: measurements, never tests (throughput, latency, spec-sweep, prefix, ppl, kernels,
-allreduce, load, serve, structured, lora, vl), and the shaped models they time (shaped-gguf)."""
+allreduce, load, serve, structured, lora, vl, long-context, passkey), and the shaped models they time
+(shaped-gguf)."""
 from __future__ import annotations
 
 import argparse
@@ -151,6 +152,37 @@ def register(sub) -> None:
                     help="alternating TTFT and tower runs of each, the median reported (default: %(default)s)")
     vl.add_argument("--json", action="store_true")
 
+    lc = bench_sub.add_parser("long-context", help="one long prompt's prefill time, TPOT and peak RSS at each length, "
+                                                   "without and with dual-chunk attention")
+    add_engine_args(lc)
+    lc.add_argument("--lengths", type=positive_int, nargs="+", default=[4096, 16384, 32000],
+                    help="prompt lengths in tokens, one request each (default: 4096 16384 32000; the bundled model's "
+                         "window is 32768 tokens, prompt and output together)")
+    lc.add_argument("--output-len", type=positive_int, default=16, help="tokens written after each prompt, for TPOT "
+                                                                        "(default: %(default)s)")
+    lc.add_argument("--chunk-size", type=positive_int, default=8192,
+                    help="DCA's chunk_size, and its original_max_position_embeddings (default: %(default)s)")
+    lc.add_argument("--local-size", type=positive_int, default=1024, help="DCA's local_size (default: %(default)s)")
+    lc.add_argument("--modes", nargs="+", choices=["no-dca", "dca"], default=["no-dca", "dca"],
+                    help="which engines to run; both give the ratios (default: both)")
+    lc.add_argument("--json", action="store_true")
+
+    pk = bench_sub.add_parser("passkey", help="retrieval rate of a number hidden at chosen depths of filler text, "
+                                              "without DCA, with DCA on a shortened window and with YaRN")
+    add_engine_args(pk)
+    pk.add_argument("--length", type=positive_int, default=4096, help="prompt tokens (default: %(default)s)")
+    pk.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0],
+                    help="where the key sits in the filler, 0 first to 1 last (default: 0 0.25 0.5 0.75 1)")
+    pk.add_argument("--trials", type=positive_int, default=2, help="keys per depth (default: %(default)s)")
+    pk.add_argument("--window", type=positive_int, default=None,
+                    help="the shortened window in tokens: DCA's chunk_size and original_max_position_embeddings, "
+                         "YaRN's original_max_position_embeddings (default: a quarter of --length)")
+    pk.add_argument("--local-size", type=positive_int, default=None,
+                    help="DCA's local_size (default: an eighth of the window)")
+    pk.add_argument("--modes", nargs="+", choices=["no-dca", "dca", "yarn"], default=["no-dca", "dca", "yarn"],
+                    help="which engines to run (default: all three)")
+    pk.add_argument("--json", action="store_true")
+
     srv = bench_sub.add_parser("serve", help="drive a running OpenAI-compatible server with streaming requests")
     srv.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (without /v1)")
     srv.add_argument("--num-prompts", type=positive_int, default=64)
@@ -231,6 +263,21 @@ def run(args: argparse.Namespace) -> int:
         settings = {f.name: getattr(args, f.name) for _, f in EngineConfig.settings() if hasattr(args, f.name)}
         result = bench_vl(settings, SHAPES[args.shape], args.model_dir, args.image_size, args.text_len,
                           args.num_requests, args.output_len, args.hf_requests, args.rounds)
+    elif args.bench_command == "long-context":
+        from qwenserve.benchmarks.long_context import bench_long_context, format_table
+        dca = {"chunk_size": args.chunk_size, "local_size": args.local_size,
+               "original_max_position_embeddings": args.chunk_size}
+        result = bench_long_context(engine_config_from_args(args), args.lengths, args.output_len, dca,
+                                    tuple(args.modes))
+        print(format_table(result))
+        if args.json:
+            print(json.dumps(result))
+        return 0
+    elif args.bench_command == "passkey":
+        from qwenserve.benchmarks.passkey import bench_passkey
+        window = args.window or max(args.length // 4, 2)
+        result = bench_passkey(engine_config_from_args(args), args.length, args.depths, args.trials, window,
+                               args.local_size or max(window // 8, 1), args.modes)
     elif args.bench_command == "ppl":
         from qwenserve.benchmarks.ppl import bench_ppl
         result = bench_ppl(engine_config_from_args(args), args.file, args.context, args.stride, args.agreement)
