@@ -354,3 +354,15 @@ def test_passkey_prompt_hides_the_key_at_its_depth(tiny):
     assert texts[1.0].rindex("The grass") < texts[1.0].index("The pass key is 12345") < texts[1.0].index("What is")
     assert texts[0.5].index("The grass") < texts[0.5].index("12345") < texts[0.5].rindex("The grass")
     assert all(len(passkey_prompt(tokenizer, 400, d, 12345)) == 400 for d in (0.0, 0.3))
+
+
+def test_qwen3_runs_dca_after_its_head_norms(tmp_path):
+    """Qwen3 (q/k norms before the rotary): within one chunk the same logits as without DCA, to the bit; past it
+    the parts apply (other logits, finite)."""
+    from helpers import tiny_qwen3
+    path = save_hf_dir(tiny_qwen3(seed=3), str(tmp_path / "qwen3"))
+    ids = ids_of(60, seed=11)
+    plain = full_logits(LLM(path, dtype="float32", kv_cache_memory="4MiB").engine.executor.worker.model, ids)
+    ours = full_logits(dca_llm(path, {"chunk_size": 24, "local_size": 8}).engine.executor.worker.model, ids)
+    assert torch.equal(ours[:16], plain[:16])
+    assert ours.isfinite().all() and (ours[16:] - plain[16:]).abs().max() > 1e-3
