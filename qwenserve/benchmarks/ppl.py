@@ -4,7 +4,12 @@ expect (lower is better; compare variants of one model on one text, never across
 Sliding windows of `context` tokens moved by `stride`: the first window scores every token after its first,
 each later one only its last `stride` tokens, so every token is scored once with at least context - stride
 tokens before it. The scores are the engine's own prompt logprobs, so this measures exactly the path served.
-The default text ships with the package: about 2,500 tokens of English prose, Chinese prose and code."""
+The default text ships with the package: about 2,500 tokens of English prose, Chinese prose and code.
+
+Against what: --agreement runs the exact path of the same checkpoint (quantization none, same dtype: an FP8
+checkpoint's dequantized reference, code x scale, or a GGUF file's dequantized blocks); each --reference runs
+another checkpoint of the same model and tokenizer (e.g. the bf16 one an FP8 checkpoint was made from) the same
+way. Each reports its ppl and top-1 agreement with the model measured, on the same windows of the same tokens."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,6 +18,7 @@ from pathlib import Path
 
 from qwenserve.config.engine_config import EngineConfig
 from qwenserve.engine.llm_engine import LLMEngine
+from qwenserve.model.loader.resolve import tokenizer_difference
 from qwenserve.sample.sampling_params import SamplingParams
 
 DEFAULT_TEXT = Path(__file__).with_name("data") / "ppl_default.txt"
@@ -30,10 +36,12 @@ def windows(num_tokens: int, context: int, stride: int) -> list[tuple[int, int, 
 
 
 def bench_ppl(config: EngineConfig, path: str | None = None, context: int = 512, stride: int = 256,
-              agreement: bool = False) -> dict:
+              agreement: bool = False, references: list[str] = ()) -> dict:
     """agreement: also run the exact path (the same model and dtype with quantization none) over the same windows
-    and report top1_agreement, the share of scored positions where both predict the same next token: a measure of
-    how far a quantization moves greedy decoding that a few prompts' near-ties cannot swing."""
+    and report its ppl (exact_ppl) and top1_agreement, the share of scored positions where both predict the same
+    next token: a measure of how far a quantization moves greedy decoding that a few prompts' near-ties cannot
+    swing. references: other checkpoints of the model (same tokenizer), each run so too (quantization none, the
+    measured run's dtype): their ppl and top1_agreement under `references`."""
     if not 0 < stride < context:
         raise ValueError(f"bench ppl needs 0 < stride < context, got stride {stride}, context {context}")
     engine = LLMEngine(config)
@@ -47,13 +55,33 @@ def bench_ppl(config: EngineConfig, path: str | None = None, context: int = 512,
     result = {"ppl": round(math.exp(nll / len(top1)), 4), "tokens": len(top1), "text": str(path or DEFAULT_TEXT),
               "context": context, "stride": stride, "quantization": engine.resolved_model.quantization,
               "dtype": str(engine.resolved_model.dtype).removeprefix("torch.")}
+    tokenizer, dtype = engine.tokenizer, result["dtype"]
+    engine.shutdown()  # one engine's weights in memory at a time
     if agreement:
-        engine.shutdown()
         exact = LLMEngine(dataclasses.replace(config, load=dataclasses.replace(config.load, quantization="none")))
-        _, exact_top1 = _score(exact, ids, spans)
+        exact_nll, exact_top1 = _score(exact, ids, spans)
         exact.shutdown()
-        result["top1_agreement"] = round(sum(a == b for a, b in zip(top1, exact_top1)) / len(top1), 4)
+        result["exact_ppl"] = round(math.exp(exact_nll / len(top1)), 4)
+        result["top1_agreement"] = _agreement(top1, exact_top1)
+    if references:
+        result["references"] = []
+    for reference in references:
+        load = dataclasses.replace(config.load, model=reference, quantization="none", dtype=dtype, hf_overrides=None)
+        other = LLMEngine(dataclasses.replace(config, load=load))
+        difference = tokenizer_difference(tokenizer, other.tokenizer)
+        if difference:
+            other.shutdown()
+            raise ValueError(f"--reference {reference} has another tokenizer than the model measured ({difference}); "
+                             "a reference must be the same model's")
+        ref_nll, ref_top1 = _score(other, ids, spans)
+        other.shutdown()
+        result["references"].append({"model": reference, "ppl": round(math.exp(ref_nll / len(top1)), 4),
+                                     "top1_agreement": _agreement(top1, ref_top1)})
     return result
+
+
+def _agreement(top1: list[int], other: list[int]) -> float:
+    return round(sum(a == b for a, b in zip(top1, other)) / len(top1), 4)
 
 
 def _score(engine: LLMEngine, ids: list[int], spans: list[tuple[int, int, int]]) -> tuple[float, list[int]]:

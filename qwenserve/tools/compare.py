@@ -2,12 +2,19 @@
 where they part: first diverging token and the largest logit difference over the steps both saw. For a
 vision-language checkpoint a prompt may carry images and videos (multi_modal_data): both models take the same
 preprocessed pixels (qwenserve's preprocessing, which the tests hold equal to transformers'), so the comparison is
-of the towers, the positions and the language model."""
+of the towers, the positions and the language model.
+
+An FP8 checkpoint (quant_method fp8 or compressed-tensors) is compared as it is served: qwenserve runs its FP8
+weights (float32 activations), HF transformers, which runs no FP8 weights on a CPU, its dequantized reference
+(code x scale in float32, written by `qwenserve convert` to a temporary directory); `compare_sides` says which
+runs what, and the output repeats it."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Collection
+import tempfile
+from collections.abc import Collection, Iterator
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -117,6 +124,38 @@ def hf_greedy_vl(hf_model, ids: list[int], media: list, vision, max_tokens: int,
     return tokens, [step[0].float() for step in out.logits[:len(tokens)]]
 
 
+@dataclass(frozen=True)
+class CompareSides:
+    """What each side of a comparison runs, in words, and the quantization the engine runs."""
+    quantization: str  # "none" (the exact path), or an FP8 checkpoint's own method
+    qwenserve: str
+    hf: str
+
+
+def compare_sides(model: str | None) -> CompareSides:
+    from qwenserve.model.loader.checkpoint import open_checkpoint
+    from qwenserve.model.loader.fp8_checkpoint import is_fp8
+    checkpoint = open_checkpoint(model)
+    if not is_fp8(checkpoint.quantization_config):
+        return CompareSides("none", f"{checkpoint.path} in float32 (quantization none: the exact path)",
+                            f"{checkpoint.path} in float32")
+    method = checkpoint.native_quantization
+    return CompareSides(method, f"{checkpoint.path} in float32 activations on its FP8 weights (quantization {method})",
+                        "its dequantized reference in float32 (code x scale, written by qwenserve convert)")
+
+
+@contextlib.contextmanager
+def hf_checkpoint(path: str, sides: CompareSides) -> Iterator[str]:
+    """The checkpoint HF transformers loads: the engine's own, or an FP8 checkpoint's dequantized reference in a
+    temporary directory (removed once HF holds the weights)."""
+    if sides.quantization == "none":
+        yield path
+        return
+    from qwenserve.tools.convert import convert
+    with tempfile.TemporaryDirectory(prefix="qwenserve-fp8-reference-") as tmp:
+        yield convert(path, os.path.join(tmp, "reference"), dtype="float32")
+
+
 def compare_one(prompt_text: str, hf_tokens, hf_logits, qs_tokens, qs_logits) -> PromptComparison:
     divergence = next((i for i, (a, b) in enumerate(zip(hf_tokens, qs_tokens)) if a != b), None)
     if divergence is None and len(hf_tokens) != len(qs_tokens):
@@ -135,11 +174,14 @@ def run_compare(model: str | None, prompts: list, max_tokens: int, cpu_kernels: 
     from qwenserve.engine.llm_engine import LLMEngine
     from qwenserve.sample.sampling_params import SamplingParams
 
-    # the exact path (weights dequantized to float32) is what must equal HF
-    engine = LLMEngine(EngineConfig.from_kwargs(model=model, dtype="float32", quantization="none",
+    # the exact path (weights dequantized to float32) is what must equal HF; an FP8 checkpoint runs its FP8 weights
+    # against HF on their dequantized values
+    sides = compare_sides(model)
+    engine = LLMEngine(EngineConfig.from_kwargs(model=model, dtype="float32", quantization=sides.quantization,
                                                 kv_cache_memory="1GiB", record_logits=True, cpu_kernels=cpu_kernels))
     vision = engine.resolved_model.config.vision
-    hf_model = load_hf_model(engine.resolved_model.path, vision is not None)
+    with hf_checkpoint(engine.resolved_model.path, sides) as hf_path:
+        hf_model = load_hf_model(hf_path, vision is not None)
     stop_ids = set(engine.input_processor.eos_token_ids)
     results = []
     for i, prompt in enumerate(prompts):
@@ -163,8 +205,9 @@ def run_compare(model: str | None, prompts: list, max_tokens: int, cpu_kernels: 
     return results
 
 
-def format_table(results: list[PromptComparison]) -> str:
-    lines = [f"{'equal':<6} {'first diff':>10} {'max |dlogit|':>13} {'steps':>5}  prompt"]
+def format_table(results: list[PromptComparison], sides: CompareSides | None = None) -> str:
+    lines = [] if sides is None else [f"qwenserve: {sides.qwenserve}", f"HF transformers: {sides.hf}"]
+    lines.append(f"{'equal':<6} {'first diff':>10} {'max |dlogit|':>13} {'steps':>5}  prompt")
     for r in results:
         first = "-" if r.first_divergence is None else str(r.first_divergence)
         lines.append(f"{str(r.equal):<6} {first:>10} {r.max_logit_diff:>13.2e} {r.steps_compared:>5}  "
@@ -172,6 +215,7 @@ def format_table(results: list[PromptComparison]) -> str:
     return "\n".join(lines)
 
 
-def results_json(results: list[PromptComparison]) -> str:
-    return json.dumps({"all_equal": all(r.equal for r in results), "prompts": [asdict(r) for r in results]},
+def results_json(results: list[PromptComparison], sides: CompareSides | None = None) -> str:
+    runs = {} if sides is None else {"qwenserve_runs": sides.qwenserve, "hf_runs": sides.hf}
+    return json.dumps({"all_equal": all(r.equal for r in results)} | runs | {"prompts": [asdict(r) for r in results]},
                       ensure_ascii=False)

@@ -71,8 +71,13 @@ def register(sub) -> None:
     ppl.add_argument("--stride", type=positive_int, default=256,
                      help="tokens scored per window after the first (default: %(default)s)")
     ppl.add_argument("--agreement", action="store_true",
-                     help="also run the exact path (quantization none, same dtype) and report top1_agreement: the "
-                          "share of positions where both predict the same next token")
+                     help="also run the exact path (quantization none, same dtype; an FP8 checkpoint's is its "
+                          "dequantized reference, code x scale) and report its ppl (exact_ppl) and top1_agreement: "
+                          "the share of positions where both predict the same next token")
+    ppl.add_argument("--reference", action="append", default=[], metavar="PATH",
+                     help="another checkpoint of the same model and tokenizer (e.g. the bf16 one an FP8 or "
+                          "quantized checkpoint was made from), run with quantization none in the same dtype: its "
+                          "ppl and top1_agreement under references; repeat for several")
     ppl.add_argument("--json", action="store_true")
 
     kern = bench_sub.add_parser("kernels", help="every weight shape of the model: our matmul against the alternatives")
@@ -280,7 +285,8 @@ def run(args: argparse.Namespace) -> int:
                                args.local_size or max(window // 8, 1), args.modes)
     elif args.bench_command == "ppl":
         from qwenserve.benchmarks.ppl import bench_ppl
-        result = bench_ppl(engine_config_from_args(args), args.file, args.context, args.stride, args.agreement)
+        result = bench_ppl(engine_config_from_args(args), args.file, args.context, args.stride, args.agreement,
+                           args.reference)
     else:
         import asyncio
 

@@ -9,7 +9,8 @@ MEDIA_FLAGS = ("allowed_local_media_path", "allowed_media_domains")  # where a p
 
 
 def register(sub) -> None:
-    p = sub.add_parser("compare", help="greedy decoding in HF transformers vs qwenserve (float32), token by token")
+    p = sub.add_parser("compare", help="greedy decoding in HF transformers vs qwenserve (float32), token by token; an "
+                                       "FP8 checkpoint: its FP8 weights in qwenserve, its dequantized reference in HF")
     add_engine_args(p, only=("model", "cpu_kernels") + MEDIA_FLAGS)
     p.add_argument("--prompts", default=None,
                    help="JSON list (strings or {\"messages\": [...]}, whose contents may hold image_url and "
@@ -19,7 +20,7 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from qwenserve.tools.compare import format_table, load_prompts, results_json, run_compare
+    from qwenserve.tools.compare import compare_sides, format_table, load_prompts, results_json, run_compare
 
     config = engine_config_from_args(args)
     load = config.load
@@ -37,5 +38,6 @@ def run(args: argparse.Namespace) -> int:
         return {"messages": messages} | ({"multi_modal_data": media} if media else {})
 
     results = run_compare(load.model, load_prompts(args.prompts), args.max_tokens, load.cpu_kernels, media_parts)
-    print(results_json(results) if args.json else format_table(results))
+    sides = compare_sides(load.model)
+    print(results_json(results, sides) if args.json else format_table(results, sides))
     return 0 if all(r.equal for r in results) else 1

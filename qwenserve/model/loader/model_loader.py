@@ -19,6 +19,7 @@ from qwenserve.model.interface import CausalLM
 from qwenserve.model.layers.attention import Attention
 from qwenserve.model.layers.quantization import quantization_scheme
 from qwenserve.model.loader.checkpoint import reopen_checkpoint
+from qwenserve.model.loader.fp8_checkpoint import dequantized_weights, is_fp8
 from qwenserve.model.loader.ggml_tensor import GGMLTensor
 from qwenserve.model.loader.resolve import load_tokenizer, resolve_model
 
@@ -58,8 +59,11 @@ def load_model(resolved: ResolvedModel, device: str | torch.device = "cpu", tp: 
     with _default_dtype(resolved.dtype), torch.device(device):
         model = resolved.model_class(resolved.config, resolved.max_model_len, tp, quantization, pp)
         name_layers(model)
+    weights = checkpoint.weights(quantization.keep_types)
+    if resolved.quantization == "none" and is_fp8(resolved.quantization_config):  # the dequantized reference
+        weights = dequantized_weights(weights, resolved.quantization_config)
     try:
-        load_weights(model, checkpoint.weights(quantization.keep_types), checkpoint.naming)
+        load_weights(model, weights, checkpoint.naming)
     except WeightLoadError as e:  # the tensor is named; the checkpoint too, for a user who loads several
         raise WeightLoadError(f"{checkpoint.path}: {e}") from e
     model.process_weights_after_loading(after_each=checkpoint.release_pages)

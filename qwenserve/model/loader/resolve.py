@@ -43,7 +43,8 @@ def resolve_quantization(requested: str | None, checkpoint: Checkpoint) -> str:
     """The quantization method to run: the one asked for, else the checkpoint's own (gguf for a GGUF file, the
     quant_method of config.json's quantization_config). What each method runs on is its registry entry's
     (layers/quantization/__init__.py): int8, int4 and fp8 quantize dense weights (or a GGUF file's, dequantized)
-    at load; a checkpoint stored by an exclusive method (awq, gptq, fp8, compressed-tensors) runs with it only."""
+    at load; a checkpoint stored by an exclusive method (awq, gptq, fp8, compressed-tensors) runs with it only, an
+    FP8 one also with none (its weights dequantized, code x scale)."""
     native = checkpoint.native_quantization
     if native not in METHODS:
         loads = ", ".join(name for name, method in METHODS.items() if method.in_config)
@@ -56,10 +57,13 @@ def resolve_quantization(requested: str | None, checkpoint: Checkpoint) -> str:
     if own is not None and native != choice:
         what = "not quantized" if native == "none" else f"{native}-quantized"
         raise ConfigError(own.format(name=choice, path=checkpoint.path, what=what))
-    if METHODS[native].exclusive and choice != native:
+    dequantized = choice == "none" and METHODS[native].dequantizes  # the exact reference of an FP8 checkpoint
+    if METHODS[native].exclusive and choice != native and not dequantized:
+        also = " (or none, on its dequantized weights)" if METHODS[native].dequantizes else ""
         raise ConfigError(f"{checkpoint.path} is a {native.upper()} checkpoint: it runs with quantization "
-                          f"{native} only, not {choice}")
-    checked_quantization_scheme(choice, checkpoint.quantization_config, checkpoint.path)  # fails here, not in a worker
+                          f"{native} only, not {choice}{also}")
+    # fails here, not in a worker (a dequantized FP8 checkpoint's scales are read by its own method's config)
+    checked_quantization_scheme(native if dequantized else choice, checkpoint.quantization_config, checkpoint.path)
     return choice
 
 

@@ -34,11 +34,15 @@ class QuantizationMethod:
     own_checkpoints: None where the method quantizes dense weights at load (or runs none); else what it needs, as
         the sentence that refuses another checkpoint, with {path} and {what} (`not quantized`, `fp8-quantized`).
     exclusive: whether a checkpoint stored this way runs with this quantization only.
-    in_config: whether config.json's quantization_config names checkpoints of it (quant_method)."""
+    in_config: whether config.json's quantization_config names checkpoints of it (quant_method).
+    dequantizes: whether quantization none runs such a checkpoint on its dequantized weights (code x scale, the
+        exact reference its quantized path is measured against: loader/fp8_checkpoint.py), as it runs a GGUF
+        file's."""
     build: Callable[[dict], QuantizationScheme]
     own_checkpoints: str | None = None
     exclusive: bool = False
     in_config: bool = False
+    dequantizes: bool = False
 
 
 METHODS: dict[str, QuantizationMethod] = {}
@@ -89,9 +93,9 @@ register("awq", QuantizationMethod(lambda config: QuantizationScheme(AWQLinearMe
 register("gptq", QuantizationMethod(lambda config: QuantizationScheme(GPTQLinearMethod.from_config(config)),
                                     _own("GPTQ"), exclusive=True, in_config=True))
 # fp8 runs FP8 checkpoints (quant_method fp8) and quantizes dense ones at load
-register("fp8", QuantizationMethod(_fp8, exclusive=True, in_config=True))
+register("fp8", QuantizationMethod(_fp8, exclusive=True, in_config=True, dequantizes=True))
 register("compressed-tensors", QuantizationMethod(_compressed_tensors, _own("compressed-tensors"), exclusive=True,
-                                                  in_config=True))
+                                                  in_config=True, dequantizes=True))
 
 
 def quantization_scheme(name: str, quantization_config: dict | None = None) -> QuantizationScheme:
