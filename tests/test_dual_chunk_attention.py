@@ -366,3 +366,22 @@ def test_qwen3_runs_dca_after_its_head_norms(tmp_path):
     ours = full_logits(dca_llm(path, {"chunk_size": 24, "local_size": 8}).engine.executor.worker.model, ids)
     assert torch.equal(ours[:16], plain[:16])
     assert ours.isfinite().all() and (ours[16:] - plain[16:]).abs().max() > 1e-3
+
+
+def test_a_long_prefill_holds_no_score_matrix(tmp_path):
+    """8192 tokens in one DCA prefill (chunks of 1024): the process's peak resident memory grows by far less than
+    one [T, T] float32 score matrix of one head (256 MiB; all four heads': 1 GiB)."""
+    from qwenserve.benchmarks.long_context import peak_rss_gib, reset_peak_rss
+    if peak_rss_gib() is None:
+        pytest.skip("no /proc/self/status VmHWM here")
+    hf = tiny_hf_model(seed=50, max_position_embeddings=8192)
+    path = save_hf_dir(hf, str(tmp_path / "long"))
+    model = dca_llm(path, {"chunk_size": 1280, "local_size": 256}).engine.executor.worker.model
+    ids = ids_of(8192, seed=12)
+    full_logits(model, ids[:1100])  # one-off allocations (thread pools, kernels) before the measurement
+    reset_peak_rss()
+    before = peak_rss_gib()
+    logits = full_logits(model, ids)
+    grown = peak_rss_gib() - before
+    assert logits.isfinite().all()
+    assert grown < 0.1, f"peak RSS grew {grown:.2f} GiB over an 8192-token prefill"

@@ -108,6 +108,9 @@ class DualChunkAttention(Attention):
 
     def _decode_group(self, q: DualChunkQueries, rows, cache: PagedKVCache, d: DecodeGroup) -> torch.Tensor:
         lens, prompts = d.seq_lens, d.prompt_lens or (0,) * len(d.seq_lens)
+        if len(lens) != d.block_tables.shape[0]:
+            raise ValueError("dual-chunk attention reads each decode sequence's length from DecodeGroup.seq_lens, "
+                             "which this group lacks")
         if all(self._ordinary(n, p) for n, p in zip(lens, prompts)):
             return self._decode(q.intra[rows], cache, d)
         out = []
