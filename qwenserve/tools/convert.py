@@ -69,9 +69,10 @@ def convert(model: str | None, output: str, dtype: str = "auto", overwrite: bool
 
     hf_config = config.to_hf_dict()
     hf_config["torch_dtype"] = str(target_dtype).removeprefix("torch.")
-    hf_config.pop("quantization_config", None)  # the source's: the weights written are dense ...
+    if source_fp8:  # its weights are written dequantized
+        hf_config.pop("quantization_config", None)
     if quantization == "fp8":
-        hf_config["quantization_config"] = dict(QWEN_FP8_CONFIG)  # ... or Qwen's FP8
+        hf_config["quantization_config"] = dict(QWEN_FP8_CONFIG)
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2)
     generation = dict(checkpoint.generation_config)
