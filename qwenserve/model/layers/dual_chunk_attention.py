@@ -15,12 +15,14 @@ key's factor is recomputed from its position and the sequence's prompt length (t
 numbers, so the cache holds plain rotated keys and a block shared through the prefix cache means the same to
 every sequence.
 
-Each attention is torch's CPU flash kernel (`_scaled_dot_product_flash_attention_for_cpu`: blocked, with its
-log-sum-exp), or elsewhere a blocked PyTorch loop: no [T, T] score matrix is made. A sequence no longer than
+A prompt span's attentions are torch's CPU flash kernel (`_scaled_dot_product_flash_attention_for_cpu`: blocked,
+with its log-sum-exp), or elsewhere a blocked PyTorch loop: no [T, T] score matrix is made. A decode token's three
+parts are three score rows side by side under one softmax (the same merge, in one pass). A sequence no longer than
 one chunk, below the temperature's threshold, is ordinary attention and takes the ordinary path (the parent's).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -118,9 +120,9 @@ class DualChunkAttention(Attention):
             row = int(rows[i]) if isinstance(rows, torch.Tensor) else i
             table = d.block_tables[i:i + 1]
             keys, values = (x.squeeze(0) for x in cache.gather(self.layer_idx, table, n, q.intra.dtype))
-            one = DualChunkQueries(*(None if x is None else x[row:row + 1] for x in (q.intra, q.succ, q.inter)))
-            out.append(self._dual_chunk(one, keys, values, n, prompt_len))
-        return torch.cat(out)
+            one = DualChunkQueries(*(None if x is None else x[row] for x in (q.intra, q.succ, q.inter)))
+            out.append(self._decode_one(one, keys, values, n, prompt_len))
+        return torch.stack(out)
 
     def _prefill_span(self, q: DualChunkQueries, k, v, cache: PagedKVCache, span: PrefillSpan,
                       out: torch.Tensor) -> None:
@@ -168,15 +170,40 @@ class DualChunkAttention(Attention):
             out[:, rows] = merge_by_lse(results)
         return out.transpose(0, 1)
 
+    def _decode_one(self, q: DualChunkQueries, keys: torch.Tensor, values: torch.Tensor, length: int,
+                    prompt_len: int) -> torch.Tensor:
+        """The last position's query of a sequence `length` tokens long (each part [heads, d]) against its keys /
+        values [kv_heads, length, d] -> [heads, d]. The parts' key ranges lie in position order (inter, successive,
+        intra), so their scores side by side make one row over all the keys and one softmax over it: the
+        log-sum-exp merge, in one pass, with no work past the scores of one query."""
+        chunk_len = self.dca.chunk_len
+        kv_heads, _, d = keys.shape
+        heads = q.intra.shape[0]
+        c = (length - 1) // chunk_len
+        bounds = [0, max(c - 1, 0) * chunk_len, c * chunk_len, length]  # inter | successive | intra
+        scales = self._temperatures(length - 1, length, prompt_len, keys.device)
+        q_factor = self.scale * (float(scales[0][0]) if scales is not None else 1.0)
+        # float32 scores, as the flash kernel accumulates; one copy that also makes each kv head's rows
+        # contiguous (the gathered keys are a transposed view), which the matmuls below need to be fast
+        keys = keys.to(torch.float32, memory_format=torch.contiguous_format)
+        scores = []
+        for part, lo, hi in zip((q.inter, q.succ, q.intra), bounds[:-1], bounds[1:]):
+            if hi > lo:
+                grouped = part.float().reshape(kv_heads, heads // kv_heads, d) * q_factor
+                scores.append(grouped @ keys[:, lo:hi].transpose(1, 2))  # [kv_heads, group, keys]
+        scores = torch.cat(scores, dim=-1)
+        if scales is not None:
+            scores = scores * scales[1]
+        probs = torch.softmax(scores, dim=-1)
+        values = values.to(torch.float32, memory_format=torch.contiguous_format)
+        return (probs @ values).view(heads, d).to(q.intra.dtype)
+
     def _temperatures(self, first: int, length: int, prompt_len: int, device):
         """(factor of each query position first..length-1, factor of each key 0..length-1), or None when all are
         1: t(max(prompt_len, position + 1))."""
-        dca = self.dca
-        if dca.temperature(max(length, prompt_len)) == 1.0:
+        if self.dca.temperature(max(length, prompt_len)) == 1.0:
             return None
-        lengths = torch.arange(1, length + 1, dtype=torch.float64, device=device).clamp(min=prompt_len)
-        factor = (0.1 * torch.log(lengths / dca.original_max_position_embeddings) + 1.0).clamp(min=1.0)
-        return factor[first:].float(), factor.float()
+        return _temperatures(first, length, prompt_len, self.dca.original_max_position_embeddings, device)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool):
         """q [heads, n, d], k / v [kv_heads, m, d] -> (output [heads, n, d], log-sum-exp [heads, n] float32);
@@ -185,6 +212,14 @@ class DualChunkAttention(Attention):
             out, lse = self._flash(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), 0.0, causal, scale=self.scale)
             return out.squeeze(0), lse.squeeze(0)
         return blocked_attention(q, k, v, self.scale, causal)
+
+
+@functools.lru_cache(maxsize=32)
+def _temperatures(first: int, length: int, prompt_len: int, original: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """DualChunkAttention._temperatures' tensors, made once per step for all the layers (read, never written)."""
+    lengths = torch.arange(1, length + 1, dtype=torch.float64, device=device).clamp(min=prompt_len)
+    factor = (0.1 * torch.log(lengths / original) + 1.0).clamp(min=1.0)
+    return factor[first:].float(), factor.float()
 
 
 def merge_by_lse(results: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
