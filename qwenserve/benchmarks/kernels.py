@@ -11,7 +11,9 @@ Rows: one per distinct (layer kind, block types, out x in) of the model. Columns
 - `dense`: F.linear on a dense weight in the run dtype (oneDNN-packed where bf16 packing is available);
 - `fp32`: F.linear in float32;
 - `int8pack`: torch's `_weight_int8pack_mm` (int8 per output channel);
-- `int4pack`: torch's `_weight_int4pack_mm_for_cpu` (int4, groups of 128) where the shape allows.
+- `int4pack`: torch's `_weight_int4pack_mm_for_cpu` (int4, groups of 128) where the shape allows;
+- `fp8`: FP8 e4m3 codes with a scale per 128x128 block, as Qwen's FP8 checkpoints hold them, on the FP8 linear
+  path (fp8_mm for few rows, matmuls on widened slices for many).
 GB/s counts the bytes of weight each variant reads per call (its own format); decode (M=1) is bound by them.
 `% roof`, from ROOF_MIN_ROWS rows, where the tile kernels run: `ours`' GFLOP/s (2 M N K) over the all-threads roof in
 GOP/s (2 per int8 multiply-add), how far the layer is from what the int8 instructions allow; the roof leaves out
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 from qwenserve.config.engine_config import EngineConfig
 from qwenserve.kernels import cpu_ops_for, use_cpu_kernels
 from qwenserve.model.layers.linear import cpu_weight_packing_available, widened_linear, widening_ops
+from qwenserve.model.layers.quantization.fp8 import ONLINE_BLOCK, fp8_linear, fp8_ops, quantize_blocks
 from qwenserve.model.loader.ggml_tensor import GGMLTensor
 from qwenserve.model.loader.model_loader import load_model
 from qwenserve.model.loader.resolve import resolve_model
@@ -107,6 +110,11 @@ def _alternatives(out_features: int, in_features: int, dtype: torch.dtype) -> di
         scales_zeros = torch.rand(in_features // 128, out_features, 2).to(dtype)
         alts["int4pack"] = (lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed4, 128, scales_zeros),
                             packed4.numel() + scales_zeros.numel() * scales_zeros.element_size())
+    fp8_codes, block_scales = quantize_blocks(w, ONLINE_BLOCK)
+    fp8_scales = block_scales.repeat_interleave(ONLINE_BLOCK[0], 0)[:out_features].contiguous()  # as layers hold them
+    fp8_kernels = fp8_ops(w.device)
+    alts["fp8"] = (lambda x: fp8_linear(fp8_kernels, fp8_codes, fp8_scales, ONLINE_BLOCK[1], x),
+                   fp8_codes.numel() + fp8_scales.numel() * 4)
     return alts
 
 
@@ -165,7 +173,7 @@ def _figure(value: float) -> float:
 
 
 def format_table(result: dict) -> str:
-    names = ["ours", "ours_in_turn", "dense", "fp32", "int8pack", "int4pack"]
+    names = ["ours", "ours_in_turn", "dense", "fp32", "int8pack", "int4pack", "fp8"]
     lines = [f"quantization {result['quantization']}, dtype {result['dtype']}, {result['threads']} threads, "
              f"measured read bandwidth {result['read_bandwidth_GBps']} GB/s, {_roof_line(result.get('int8_roof'))}",
              "ms per call (GB/s of weights read | GFLOP/s); % roof: ours' GFLOP/s over the all-threads int8 roof",

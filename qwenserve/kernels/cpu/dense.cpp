@@ -1,21 +1,34 @@
-// Linear layers on 2-byte float weights (bf16, fp16) for CPUs without arithmetic in those types: each weight is
-// widened to float32 in registers inside the dot product, so the weights stay 2 bytes in memory and a decode step
-// streams them once. PyTorch's own bf16 matmul on such CPUs converts through temporaries and runs several times
-// slower than the weights' bytes allow. For a few activation rows (decode, batched decode, speculative verify)
-// this is the whole matmul; for many rows (prefill) the caller widens slices of the weight and runs float32
-// matmuls instead (model/layers/linear.py), which this kernel's one-row-at-a-time dot products cannot match.
+// Linear layers on float weights narrower than the arithmetic: 2-byte bf16 / fp16 (for CPUs without arithmetic in
+// those types) and 1-byte FP8 e4m3 codes with float32 scales (FP8 checkpoints; no CPU we build for multiplies FP8).
+// Each weight is widened to float32 in registers inside the dot product, so the weights stay 2 or 1 bytes in memory
+// and a decode step streams them once. PyTorch's own bf16 matmul on CPUs without bf16 converts through temporaries
+// and runs several times slower than the weights' bytes allow, and it has no FP8 matmul on the CPU at all. For a
+// few activation rows (decode, batched decode, speculative verify) this is the whole matmul; for many rows
+// (prefill) the caller widens slices of the weight (fp8_dequantize for FP8) and runs float32 or bf16 matmuls
+// instead (model/layers/linear.py, quantization/fp8.py), which one-row-at-a-time dot products cannot match.
 //
 // dense_mm(out [M, N], x [M, K], w [N, K], bias [N] or None): out = x w^T + bias, summed in float32 and rounded once
 // to out's dtype. x and out share a dtype (float32, bf16 or fp16); out may be a column slice of a wider tensor.
+// fp8_mm(out, x, codes [N, K] uint8 e4m3, scales [N, ceil(K / group)] float32, group, bias): the same with
+// w[n, k] = code[n, k] * scales[n, k / group] (block-wise checkpoints: group 128; per channel or tensor: group K).
 // Work is split over weight rows in chunks that threads take as they finish (a shared host slows one core at times);
 // each weight row is read as one stream against up to four activation rows at a time (from five rows, two weight rows
 // at a time, which halves the activation loads per multiply-add), in eight independent float32 accumulator chains
-// where the rows allow (the FMA latency covered).
+// where the rows allow (the FMA latency covered). FP8 sums each scale group in the chains and adds it times its
+// scale to a running total.
+//
+// e4m3 -> float in registers: the code's bits placed in an fp16's (sign to sign; exponent and mantissa to the low
+// four exponent bits and the top of the mantissa) read as code * 2^-8 exactly, subnormal codes included, and F16C
+// widens that to float32; the 2^8 rides in the group's scale. (The NaN codes 0x7f / 0xff read as 480; no
+// checkpoint holds them.) Going through fp16 keeps float32 subnormals out of the arithmetic, which cost Intel cores a
+// microcode assist each.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
+#include <cmath>
 #include <atomic>
 #include <cstdint>
 #include <vector>
@@ -33,6 +46,31 @@ namespace {
 
 constexpr int kActivationRows = 4;  // activation rows per pass over a weight row: each widened vector serves all
 
+// An FP8 e4m3 code (float8_e4m3fn's bits), as the dot products' weight type
+struct E4M3 {
+  uint8_t bits;
+};
+constexpr float kE4M3Unbias = 256.0f;  // what widening through fp16 leaves out of each code (2^8)
+
+// Every code's value times 2^-8, as widening through fp16 gives it (the portable path's conversion)
+const float* e4m3_table() {
+  static const auto table = [] {
+    std::array<float, 256> t{};
+    for (int b = 0; b < 256; ++b) {
+      const int e = (b >> 3) & 0xF, m = b & 7;
+      const float v = e == 0 ? std::ldexp(m / 8.0f, -6) : std::ldexp(1.0f + m / 8.0f, e - 7);
+      t[b] = (b & 0x80 ? -v : v) / kE4M3Unbias;
+    }
+    return t;
+  }();
+  return table.data();
+}
+
+// A weight as float; FP8 codes without their 2^8 (their scales carry it)
+inline float widen1(c10::BFloat16 w) { return static_cast<float>(w); }
+inline float widen1(c10::Half w) { return static_cast<float>(w); }
+inline float widen1(E4M3 w) { return e4m3_table()[w.bits]; }
+
 #if QS_X86_AVX2
 // 8 weights at p as float32
 inline __m256 widen8(const c10::BFloat16* p) {
@@ -40,6 +78,43 @@ inline __m256 widen8(const c10::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
 inline __m256 widen8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+// e4m3 codes as 16-bit words holding the code in their high byte (word = b << 8) -> fp16 bits of code * 2^-8: the
+// arithmetic shift right moves exponent and mantissa one bit lower with the sign copied into bit 14, which the mask
+// clears
+inline __m128i e4m3_halves(__m128i words) {
+  return _mm_and_si128(_mm_srai_epi16(words, 1), _mm_set1_epi16(static_cast<short>(0xBFFF)));
+}
+inline __m256i e4m3_halves(__m256i words) {
+  return _mm256_and_si256(_mm256_srai_epi16(words, 1), _mm256_set1_epi16(static_cast<short>(0xBFFF)));
+}
+inline __m256 widen8(const E4M3* p) {
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtph_ps(e4m3_halves(_mm_unpacklo_epi8(_mm_setzero_si128(), bytes)));
+}
+// 32 codes at p as four vectors of 8 floats, in order. The byte-to-word unpacks work within each 128-bit half:
+// the low words hold codes 0-7 and 16-23, the high ones 8-15 and 24-31. A third faster per code than
+// widen8 (fewer instructions for each code), where the registers allow four vectors per weight row.
+inline void widen32(const E4M3* p, __m256* v) {
+  const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), zero = _mm256_setzero_si256();
+  const __m256i low = e4m3_halves(_mm256_unpacklo_epi8(zero, bytes));
+  const __m256i high = e4m3_halves(_mm256_unpackhi_epi8(zero, bytes));
+  v[0] = _mm256_cvtph_ps(_mm256_castsi256_si128(low));
+  v[1] = _mm256_cvtph_ps(_mm256_castsi256_si128(high));
+  v[2] = _mm256_cvtph_ps(_mm256_extracti128_si256(low, 1));
+  v[3] = _mm256_cvtph_ps(_mm256_extracti128_si256(high, 1));
+}
+
+// Vectors one widening gives: four for FP8 where the accumulator chains take them (one or two dot products at a
+// time), else one
+template <typename W, int pairs>
+constexpr int kWidenVectors = std::is_same_v<W, E4M3> && 8 / pairs >= 4 ? 4 : 1;
+template <typename W, int V>
+inline void widen(const W* p, __m256* v) {
+  if constexpr (V == 4)
+    widen32(p, v);
+  else
+    v[0] = widen8(p);
+}
 
 inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -49,59 +124,168 @@ inline float hsum8(__m256 v) {
 }
 
 // res[r][i] = weight row i . activation row r, for NR weight rows (w, ldw apart) and R activation rows (x, ldx
-// apart, float32). Eight accumulator chains for NR x R = 1, 2, 4 or 8 (six for 3): each pair takes 8 / (NR x R) of
-// them, for vectors k, k + 8, ... in turn; the remaining multiples of 8 go to the first chain, the K % 8 tail to
-// scalar code. Lines a weight row will read kAheadBytes later are prefetched: a row read as one stream, which the
-// hardware prefetchers alone leave at about two thirds of the read bandwidth.
+// apart, float32); with scales (FP8), weight row i's columns [g * group, (g + 1) * group) are multiplied by
+// scales[i * lds + g] (times 2^8, see kE4M3Unbias). Eight accumulator chains for NR x R = 1, 2, 4 or 8 (six for 3):
+// each pair takes 8 / (NR x R) of them, for vectors k, k + 8, ... in turn (FP8 codes widened 32 at a time where a
+// pair has four or more chains); the remaining multiples of 8 go to the first chain, a group's tail (K % 8 without groups) to scalar code. Lines a weight row will read kAheadBytes later
+// are prefetched: a row read as one stream, which the hardware prefetchers alone leave at about two thirds of the
+// read bandwidth.
 template <typename W, int NR, int R>
-void dot_rows(const W* w, int64_t ldw, const float* x, int64_t ldx, int64_t K, float (*res)[NR]) {
+void dot_rows(const W* w, int64_t ldw, const float* scales, int64_t lds, int64_t group, const float* x, int64_t ldx,
+              int64_t K, float (*res)[NR]) {
   constexpr int kSplit = std::max(1, 8 / (NR * R));
   constexpr int64_t kStep = 8 * kSplit, kAheadBytes = 1024;
-  __m256 acc[R][NR][kSplit];
-  for (auto& a : acc)
-    for (auto& b : a)
-      for (auto& c : b) c = _mm256_setzero_ps();
-  const auto step = [&](int64_t k, int s) {
-    __m256 xv[R];
-    for (int r = 0; r < R; ++r) xv[r] = _mm256_loadu_ps(x + r * ldx + k);
+  __m256 acc[R][NR][kSplit], total[R][NR];
+  float tail[R][NR];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < NR; ++i) total[r][i] = _mm256_setzero_ps(), tail[r][i] = 0;
+  // V vectors of weights at k into chains s .. s + V - 1
+  const auto step = [&](int64_t k, int s, auto vectors) {
+    constexpr int V = vectors();
     for (int i = 0; i < NR; ++i) {
-      const __m256 wv = widen8(w + i * ldw + k);
-      for (int r = 0; r < R; ++r) acc[r][i][s] = _mm256_fmadd_ps(wv, xv[r], acc[r][i][s]);
+      __m256 wv[V];
+      widen<W, V>(w + i * ldw + k, wv);
+      for (int j = 0; j < V; ++j)
+        for (int r = 0; r < R; ++r)
+          acc[r][i][s + j] = _mm256_fmadd_ps(wv[j], _mm256_loadu_ps(x + r * ldx + k + 8 * j), acc[r][i][s + j]);
     }
   };
-  int64_t k = 0;
-  for (; k + kStep <= K; k += kStep) {
-    if (kStep * sizeof(W) >= 64 || (k * sizeof(W)) % 64 == 0)  // once per line of each row
-      for (int i = 0; i < NR; ++i)
-        for (int64_t b = 0; b < kStep * static_cast<int64_t>(sizeof(W)); b += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(w + i * ldw + k) + kAheadBytes + b, _MM_HINT_T0);
-    for (int s = 0; s < kSplit; ++s) step(k + 8 * s, s);
-  }
-  for (; k + 8 <= K; k += 8) step(k, 0);
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < NR; ++i) {
-      __m256 a = acc[r][i][0];
-      for (int s = 1; s < kSplit; ++s) a = _mm256_add_ps(a, acc[r][i][s]);
-      float sum = hsum8(a);
-      for (int64_t j = k; j < K; ++j) sum += static_cast<float>(w[i * ldw + j]) * x[r * ldx + j];
-      res[r][i] = sum;
+  constexpr int kVectors = kWidenVectors<W, NR * R>;
+  static_assert(kSplit % kVectors == 0, "each widening's vectors take whole chains");
+  if (scales == nullptr) group = K;
+  for (int64_t g0 = 0, g = 0; g0 < K; g0 += group, ++g) {
+    const int64_t g1 = std::min(K, g0 + group);
+    for (auto& a : acc)
+      for (auto& b : a)
+        for (auto& c : b) c = _mm256_setzero_ps();
+    int64_t k = g0;
+    for (; k + kStep <= g1; k += kStep) {
+      if (kStep * sizeof(W) >= 64 || (k * sizeof(W)) % 64 == 0)  // once per line of each row
+        for (int i = 0; i < NR; ++i)
+          for (int64_t b = 0; b < kStep * static_cast<int64_t>(sizeof(W)); b += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(w + i * ldw + k) + kAheadBytes + b, _MM_HINT_T0);
+      for (int s = 0; s < kSplit; s += kVectors) step(k + 8 * s, s, std::integral_constant<int, kVectors>{});
     }
+    for (; k + 8 <= g1; k += 8) step(k, 0, std::integral_constant<int, 1>{});
+    for (int i = 0; i < NR; ++i) {
+      const float scale = scales ? scales[i * lds + g] * kE4M3Unbias : 1.0f;
+      for (int r = 0; r < R; ++r) {
+        __m256 a = acc[r][i][0];
+        for (int s = 1; s < kSplit; ++s) a = _mm256_add_ps(a, acc[r][i][s]);
+        float rest = 0;
+        for (int64_t j = k; j < g1; ++j) rest += widen1(w[i * ldw + j]) * x[r * ldx + j];
+        total[r][i] = scales ? _mm256_fmadd_ps(a, _mm256_set1_ps(scale), total[r][i]) : _mm256_add_ps(a, total[r][i]);
+        tail[r][i] += rest * scale;
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < NR; ++i) res[r][i] = hsum8(total[r][i]) + tail[r][i];
 }
 #else
 // the portable build: plain loops the compiler vectorises where it can
 template <typename W, int NR, int R>
-void dot_rows(const W* w, int64_t ldw, const float* x, int64_t ldx, int64_t K, float (*res)[NR]) {
+void dot_rows(const W* w, int64_t ldw, const float* scales, int64_t lds, int64_t group, const float* x, int64_t ldx,
+              int64_t K, float (*res)[NR]) {
+  if (scales == nullptr) group = K;
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < NR; ++i) {
-      float lanes[kLanes] = {0};
-      int64_t k = 0;
-      for (; k + kLanes <= K; k += kLanes)
-        for (int j = 0; j < kLanes; ++j) lanes[j] += static_cast<float>(w[i * ldw + k + j]) * x[r * ldx + k + j];
       float sum = 0;
-      for (int j = 0; j < kLanes; ++j) sum += lanes[j];
-      for (; k < K; ++k) sum += static_cast<float>(w[i * ldw + k]) * x[r * ldx + k];
+      for (int64_t g0 = 0, g = 0; g0 < K; g0 += group, ++g) {
+        const int64_t g1 = std::min(K, g0 + group);
+        float lanes[kLanes] = {0};
+        int64_t k = g0;
+        for (; k + kLanes <= g1; k += kLanes)
+          for (int j = 0; j < kLanes; ++j) lanes[j] += widen1(w[i * ldw + k + j]) * x[r * ldx + k + j];
+        float part = 0;
+        for (int j = 0; j < kLanes; ++j) part += lanes[j];
+        for (; k < g1; ++k) part += widen1(w[i * ldw + k]) * x[r * ldx + k];
+        sum += scales ? part * (scales[i * lds + g] * kE4M3Unbias) : part;
+      }
       res[r][i] = sum;
     }
+}
+#endif
+
+#if QS_X86_AVX512_BF16
+// FP8 codes against bf16 activations on AVX512-BF16's pair dot products (vdpbf16ps: 32 products a vector), about
+// twice the codes a core widens per second on the float path: codes become bf16 by bit operations, and the
+// activations, exact in bf16 already, are copied once per call into the order those operations leave the codes in.
+// A code's bits placed in a bf16's (sign to sign; exponent and mantissa to the low bits of its exponent and the top
+// of its mantissa) read as code * 2^-120; the activations are lifted by 2^64 (exact), so the products, code * x *
+// 2^-56, stay far from float32's subnormals, which the instruction reads and writes as zero; the scales carry the
+// 2^56 back. Subnormal codes (|code| < 2^-6, below 1 / 28672 of a block's largest weight) read as zero here: the
+// one difference from the dequantized weights, and far below bf16's rounding of the outputs.
+constexpr int kPairBlock = 64;      // codes per 512-bit load
+constexpr float kXLift = 0x1p64f;   // the activations' lift
+constexpr float kPairUnbias = 0x1p56f;  // what the scales carry: 2^120 / 2^64
+constexpr float kLiftLimit = 0x1p60f;   // activations at or past this take the float path (the lift would overflow)
+
+// x row's bf16 bits lifted by 2^64 and, per 64 columns, in the order e4m3_pairs leaves codes: the 16-bit unpacks
+// work within 128-bit lanes, so the low vector holds columns 0-7, 16-23, 32-39, 48-55 and the high one the rest
+inline void lift_and_order(uint16_t* dst, const c10::BFloat16* src, int64_t K) {
+  for (int64_t k = 0; k < K; k += kPairBlock)
+    for (int lane = 0; lane < 4; ++lane)
+      for (int half = 0; half < 2; ++half)
+        for (int j = 0; j < 8; ++j) {
+          const float v = static_cast<float>(src[k + 16 * lane + 8 * half + j]) * kXLift;
+          dst[k + 32 * half + 8 * lane + j] = c10::BFloat16(v).x;
+        }
+}
+
+inline void e4m3_pairs(const uint8_t* p, __m512i& low, __m512i& high) {
+  // b << 8 in each word (the unpack), then shifted right by four with the sign copied into bits 14-11, which the
+  // mask clears: sign, then exponent and mantissa at bits 10-4
+  const __m512i bytes = _mm512_loadu_si512(p), zero = _mm512_setzero_si512();
+  const __m512i mask = _mm512_set1_epi16(static_cast<short>(0x87FF));
+  low = _mm512_and_si512(_mm512_srai_epi16(_mm512_unpacklo_epi8(zero, bytes), 4), mask);
+  high = _mm512_and_si512(_mm512_srai_epi16(_mm512_unpackhi_epi8(zero, bytes), 4), mask);
+}
+
+// dot_rows' contract on codes (w, uint8) and lifted, ordered activations (x, bf16 bits); group and K multiples of
+// 64. Chains: two per 64 codes (their low and high vectors), four or more per pair of rows, so the instruction's
+// latency is covered.
+template <int NR, int R>
+void dot_rows_pairs(const uint8_t* w, int64_t ldw, const float* scales, int64_t lds, int64_t group, const uint16_t* x,
+                    int64_t ldx, int64_t K, float (*res)[NR]) {
+  constexpr int kBlocks = std::max(1, 4 / (NR * R));  // 64-code blocks per step of each row
+  constexpr int64_t kAheadBytes = 1024;
+  __m512 acc[R][NR][2 * kBlocks], total[R][NR];
+  for (auto& a : total)
+    for (auto& t : a) t = _mm512_setzero_ps();
+  const auto block = [&](int64_t k, int c) {
+    for (int i = 0; i < NR; ++i) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + i * ldw + k) + kAheadBytes, _MM_HINT_T0);
+      __m512i low, high;
+      e4m3_pairs(w + i * ldw + k, low, high);
+      for (int r = 0; r < R; ++r) {
+        const uint16_t* xr = x + r * ldx + k;
+        acc[r][i][2 * c] = _mm512_dpbf16_ps(acc[r][i][2 * c], (__m512bh)low, (__m512bh)_mm512_loadu_si512(xr));
+        acc[r][i][2 * c + 1] =
+            _mm512_dpbf16_ps(acc[r][i][2 * c + 1], (__m512bh)high, (__m512bh)_mm512_loadu_si512(xr + 32));
+      }
+    }
+  };
+  for (int64_t g0 = 0, g = 0; g0 < K; g0 += group, ++g) {
+    const int64_t g1 = std::min(K, g0 + group);
+    for (auto& a : acc)
+      for (auto& b : a)
+        for (auto& c : b) c = _mm512_setzero_ps();
+    int64_t k = g0;
+    for (; k + kBlocks * kPairBlock <= g1; k += kBlocks * kPairBlock)
+      for (int c = 0; c < kBlocks; ++c) block(k + c * kPairBlock, c);
+    for (; k < g1; k += kPairBlock) block(k, 0);
+    for (int i = 0; i < NR; ++i) {
+      const __m512 scale = _mm512_set1_ps(scales[i * lds + g] * kPairUnbias);
+      for (int r = 0; r < R; ++r) {
+        __m512 a = acc[r][i][0];
+        for (int c = 1; c < 2 * kBlocks; ++c) a = _mm512_add_ps(a, acc[r][i][c]);
+        total[r][i] = _mm512_fmadd_ps(a, scale, total[r][i]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < NR; ++i) res[r][i] = _mm512_reduce_add_ps(total[r][i]);
 }
 #endif
 
@@ -116,11 +300,56 @@ inline void with_rows(int r, F f) {
   }
 }
 
-template <typename T, typename W>
-void dense_mm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const float* bias) {
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), ldo = out.stride(0);
-  const W* wp = w.data_ptr<W>();
+// The weights of one matmul: rows of K weights; for FP8, a float32 scale per row and group of input columns
+struct WeightRows {
+  const void* data;
+  const float* scales = nullptr;  // [N, lds]
+  int64_t lds = 0;
+  int64_t group = 0;
+};
+
+// out[m, n] = dot(weight row n, activation row m) + bias[n] for every m < M, n < N, rounded once to T. Weight rows
+// are split in chunks that threads take as they finish (a shared host slows one core at times); each weight row
+// meets up to four activation rows at a time, from five rows two weight rows at a time. dot(NR, R, n, m, res)
+// fills res[r][i] for weight rows n + i and activation rows m + r (NR and R as integral constants).
+template <typename T, typename Dot>
+void for_each_tile(at::Tensor& out, int64_t M, int64_t N, const float* bias, Dot dot) {
   T* op = out.data_ptr<T>();
+  const int64_t ldo = out.stride(0);
+  auto store = [&](int64_t m, int64_t n, float v) { op[m * ldo + n] = from_float<T>(bias ? v + bias[n] : v); };
+  const int64_t threads = at::get_num_threads();
+  const int64_t chunk = std::max<int64_t>(1, N / (threads * 8));
+  const int64_t chunks = (N + chunk - 1) / chunk;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;)
+      for (int64_t n = c * chunk, n1 = std::min(N, n + chunk); n < n1;) {
+        if (M > kActivationRows && n + 1 < n1) {  // two weight rows against four activation rows at a time
+          for (int64_t m = 0; m < M; m += kActivationRows) {
+            float res[kActivationRows][2];
+            const int rows = static_cast<int>(std::min<int64_t>(kActivationRows, M - m));
+            with_rows(rows, [&](auto r) { dot(std::integral_constant<int, 2>{}, r, n, m, res); });
+            for (int r = 0; r < rows; ++r) store(m + r, n, res[r][0]), store(m + r, n + 1, res[r][1]);
+          }
+          n += 2;
+          continue;
+        }
+        for (int64_t m = 0; m < M; m += kActivationRows) {  // the row stays in L1 for the later passes
+          float res[kActivationRows][1];
+          const int rows = static_cast<int>(std::min<int64_t>(kActivationRows, M - m));
+          with_rows(rows, [&](auto r) { dot(std::integral_constant<int, 1>{}, r, n, m, res); });
+          for (int r = 0; r < rows; ++r) store(m + r, n, res[r][0]);
+        }
+        n += 1;
+      }
+  });
+}
+
+template <typename T, typename W>
+void dense_mm_impl(at::Tensor& out, const at::Tensor& x, const WeightRows& weights, int64_t N, const float* bias) {
+  const int64_t M = x.size(0), K = x.size(1), lds = weights.lds, group = weights.group;
+  const W* wp = static_cast<const W*>(weights.data);
+  const float* sp = weights.scales;
   // the activations in float32, once: every weight row meets them
   std::vector<float> widened;
   const float* xf;
@@ -133,67 +362,145 @@ void dense_mm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, co
     for (int64_t m = 0; m < M; ++m) load_float(widened.data() + m * K, x.data_ptr<T>() + m * x.stride(0), K);
     xf = widened.data();
   }
-  auto store = [&](int64_t m, int64_t n, float v) { op[m * ldo + n] = from_float<T>(bias ? v + bias[n] : v); };
-  const int64_t threads = at::get_num_threads();
-  const int64_t chunk = std::max<int64_t>(1, N / (threads * 8));
-  const int64_t chunks = (N + chunk - 1) / chunk;
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;)
-      for (int64_t n = c * chunk, n1 = std::min(N, n + chunk); n < n1;) {
-        const W* wn = wp + n * K;
-        if (M > kActivationRows && n + 1 < n1) {  // two weight rows against four activation rows at a time
-          for (int64_t m = 0; m < M; m += kActivationRows) {
-            float res[kActivationRows][2];
-            const int rows = static_cast<int>(std::min<int64_t>(kActivationRows, M - m));
-            with_rows(rows, [&](auto r) { dot_rows<W, 2, r()>(wn, K, xf + m * ldx, ldx, K, res); });
-            for (int r = 0; r < rows; ++r) store(m + r, n, res[r][0]), store(m + r, n + 1, res[r][1]);
-          }
-          n += 2;
-          continue;
-        }
-        for (int64_t m = 0; m < M; m += kActivationRows) {  // the row stays in L1 for the later passes
-          float res[kActivationRows][1];
-          const int rows = static_cast<int>(std::min<int64_t>(kActivationRows, M - m));
-          with_rows(rows, [&](auto r) { dot_rows<W, 1, r()>(wn, K, xf + m * ldx, ldx, K, res); });
-          for (int r = 0; r < rows; ++r) store(m + r, n, res[r][0]);
-        }
-        n += 1;
-      }
+  for_each_tile<T>(out, M, N, bias, [&](auto nr, auto r, int64_t n, int64_t m, auto res) {
+    dot_rows<W, nr(), r()>(wp + n * K, K, sp ? sp + n * lds : nullptr, lds, group, xf + m * ldx, ldx, K, res);
   });
 }
 
-template <typename T>
-void dense_mm_for(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const float* bias) {
-  if (w.scalar_type() == at::kBFloat16)
-    dense_mm_impl<T, c10::BFloat16>(out, x, w, bias);
-  else
-    dense_mm_impl<T, c10::Half>(out, x, w, bias);
+template <typename W>
+void dense_mm_dispatch(at::Tensor& out, const at::Tensor& x, const WeightRows& weights, int64_t N, const float* bias) {
+  AT_DISPATCH_SWITCH(x.scalar_type(), "dense_mm",
+                     AT_DISPATCH_CASE(at::kFloat, [&] { dense_mm_impl<scalar_t, W>(out, x, weights, N, bias); })
+                     AT_DISPATCH_CASE(at::kBFloat16, [&] { dense_mm_impl<scalar_t, W>(out, x, weights, N, bias); })
+                     AT_DISPATCH_CASE(at::kHalf, [&] { dense_mm_impl<scalar_t, W>(out, x, weights, N, bias); }));
 }
+
+// The checks both matmuls share; bias as float32 (undefined without one)
+at::Tensor check_matmul(const char* op, const at::Tensor& out, const at::Tensor& x, const at::Tensor& w,
+                        const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && out.dim() == 2, op, " takes 2-D out, x and w");
+  TORCH_CHECK(w.size(1) == x.size(1), op, ": w has ", w.size(1), " columns, x has ", x.size(1));
+  TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) == w.size(0), op, ": out must be [", x.size(0), ", ",
+              w.size(0), "], got ", out.sizes());
+  TORCH_CHECK(out.scalar_type() == x.scalar_type(), op, ": out and x must share a dtype");
+  TORCH_CHECK(w.is_contiguous(), op, ": w must be contiguous");
+  check_cpu_contiguous_rows(x, "x");
+  check_cpu_contiguous_rows(out, "out");
+  TORCH_CHECK(w.device().is_cpu(), "w must be on the CPU");
+  if (!bias.has_value()) return {};
+  TORCH_CHECK(bias->numel() == w.size(0), op, ": bias has ", bias->numel(), " values for ", w.size(0), " rows");
+  return bias->to(at::kFloat).contiguous();
+}
+
+// The checks of FP8 scales [N, ceil(K / group)] float32
+void check_fp8_scales(const at::Tensor& codes, const at::Tensor& scales, int64_t group) {
+  TORCH_CHECK(codes.scalar_type() == at::kByte || codes.scalar_type() == at::kFloat8_e4m3fn,
+              "FP8 codes must be uint8 or float8_e4m3fn, not ", codes.scalar_type());
+  TORCH_CHECK(group > 0, "FP8 scale group must be positive, got ", group);
+  const int64_t groups = (codes.size(1) + group - 1) / group;
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 2 && scales.size(0) == codes.size(0) &&
+                  scales.size(1) == groups && scales.is_contiguous() && scales.device().is_cpu(),
+              "FP8 scales must be contiguous float32 [", codes.size(0), ", ", groups, "] on the CPU, got ",
+              scales.scalar_type(), " ", scales.sizes());
+}
+
+// Each row widened into float32 (vectors of codes times the group's scale), then rounded to T
+template <typename T>
+void fp8_dequantize_impl(at::Tensor& out, const uint8_t* codes, const float* scales, int64_t N, int64_t K,
+                         int64_t lds, int64_t group) {
+  T* op = out.data_ptr<T>();
+  const int64_t ldo = out.stride(0);
+  const float* table = e4m3_table();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    std::vector<float> row(std::is_same_v<T, float> ? 0 : K);
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* c = codes + n * K;
+      float* o = std::is_same_v<T, float> ? reinterpret_cast<float*>(op + n * ldo) : row.data();
+      for (int64_t g0 = 0, g = 0; g0 < K; g0 += group, ++g) {
+        const int64_t g1 = std::min(K, g0 + group);
+        const float scale = scales[n * lds + g] * kE4M3Unbias;
+        int64_t k = g0;
+#if QS_X86_AVX2
+        const __m256 sv = _mm256_set1_ps(scale);
+        for (; k + 32 <= g1; k += 32) {
+          __m256 v[4];
+          widen32(reinterpret_cast<const E4M3*>(c + k), v);
+          for (int j = 0; j < 4; ++j) _mm256_storeu_ps(o + k + 8 * j, _mm256_mul_ps(v[j], sv));
+        }
+        for (; k + 8 <= g1; k += 8)
+          _mm256_storeu_ps(o + k, _mm256_mul_ps(widen8(reinterpret_cast<const E4M3*>(c + k)), sv));
+#endif
+        for (; k < g1; ++k) o[k] = table[c[k]] * scale;
+      }
+      if constexpr (!std::is_same_v<T, float>)
+        for (int64_t k = 0; k < K; ++k) op[n * ldo + k] = from_float<T>(row[k]);
+    }
+  });
+}
+
+#if QS_X86_AVX512_BF16
+// fp8_mm on the pair dot products where they apply: bf16 activations, scale groups and rows in whole 64-code
+// blocks, activations below kLiftLimit. False: the caller takes the float path.
+bool fp8_mm_bf16_pairs(at::Tensor& out, const at::Tensor& x, const WeightRows& weights, int64_t N, const float* bias) {
+  const int64_t M = x.size(0), K = x.size(1), lds = weights.lds, group = weights.group;
+  if (x.scalar_type() != at::kBFloat16 || K % kPairBlock != 0 || group % kPairBlock != 0) return false;
+  std::vector<uint16_t> lifted(static_cast<size_t>(M * K));
+  for (int64_t m = 0; m < M; ++m) {
+    const c10::BFloat16* row = x.data_ptr<c10::BFloat16>() + m * x.stride(0);
+    for (int64_t k = 0; k < K; ++k)
+      if (!(std::abs(static_cast<float>(row[k])) < kLiftLimit)) return false;  // NaN included
+    lift_and_order(lifted.data() + m * K, row, K);
+  }
+  const auto* wp = static_cast<const uint8_t*>(weights.data);
+  for_each_tile<c10::BFloat16>(out, M, N, bias, [&](auto nr, auto r, int64_t n, int64_t m, auto res) {
+    dot_rows_pairs<nr(), r()>(wp + n * K, K, weights.scales + n * lds, lds, group, lifted.data() + m * K, K, K, res);
+  });
+  return true;
+}
+#endif
 
 }  // namespace
 
 void dense_mm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && out.dim() == 2, "dense_mm takes 2-D out, x and w");
-  TORCH_CHECK(w.size(1) == x.size(1), "dense_mm: w has ", w.size(1), " columns, x has ", x.size(1));
-  TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) == w.size(0), "dense_mm: out must be [", x.size(0), ", ",
-              w.size(0), "], got ", out.sizes());
-  TORCH_CHECK(out.scalar_type() == x.scalar_type(), "dense_mm: out and x must share a dtype");
-  TORCH_CHECK(w.is_contiguous(), "dense_mm: w must be contiguous");
-  check_cpu_contiguous_rows(x, "x");
-  check_cpu_contiguous_rows(out, "out");
-  TORCH_CHECK(w.device().is_cpu(), "w must be on the CPU");
-  at::Tensor bias_f;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == w.size(0), "dense_mm: bias has ", bias->numel(), " values for ", w.size(0), " rows");
-    bias_f = bias->to(at::kFloat).contiguous();
-  }
+  const at::Tensor bias_f = check_matmul("dense_mm", out, x, w, bias);
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   TORCH_CHECK(w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kHalf,
               "dense_mm runs bf16 or fp16 weights, not ", w.scalar_type());
-  AT_DISPATCH_SWITCH(x.scalar_type(), "dense_mm", AT_DISPATCH_CASE(at::kFloat, [&] { dense_mm_for<scalar_t>(out, x, w, bp); })
-                     AT_DISPATCH_CASE(at::kBFloat16, [&] { dense_mm_for<scalar_t>(out, x, w, bp); })
-                     AT_DISPATCH_CASE(at::kHalf, [&] { dense_mm_for<scalar_t>(out, x, w, bp); }));
+  const WeightRows weights{w.data_ptr()};
+  if (w.scalar_type() == at::kBFloat16)
+    dense_mm_dispatch<c10::BFloat16>(out, x, weights, w.size(0), bp);
+  else
+    dense_mm_dispatch<c10::Half>(out, x, weights, w.size(0), bp);
+}
+
+void fp8_mm(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t group,
+            const std::optional<at::Tensor>& bias) {
+  const at::Tensor bias_f = check_matmul("fp8_mm", out, x, codes, bias);
+  check_fp8_scales(codes, scales, group);
+  const WeightRows weights{codes.data_ptr(), scales.data_ptr<float>(), scales.size(1), group};
+  const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+#if QS_X86_AVX512_BF16
+  if (fp8_mm_bf16_pairs(out, x, weights, codes.size(0), bp)) return;
+#endif
+  dense_mm_dispatch<E4M3>(out, x, weights, codes.size(0), bp);
+}
+
+void fp8_dequantize(at::Tensor& out, const at::Tensor& codes, const at::Tensor& scales, int64_t group) {
+  TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.device().is_cpu(),
+              "fp8_dequantize: codes must be contiguous 2-D on the CPU");
+  check_fp8_scales(codes, scales, group);
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == codes.size(0) && out.size(1) == codes.size(1), "fp8_dequantize: out "
+              "must be [", codes.size(0), ", ", codes.size(1), "], got ", out.sizes());
+  check_cpu_contiguous_rows(out, "out");
+  const auto* cp = static_cast<const uint8_t*>(codes.data_ptr());
+  const float* sp = scales.data_ptr<float>();
+  AT_DISPATCH_SWITCH(out.scalar_type(), "fp8_dequantize", AT_DISPATCH_CASE(at::kFloat, [&] {
+                       fp8_dequantize_impl<scalar_t>(out, cp, sp, codes.size(0), codes.size(1), scales.size(1), group);
+                     }) AT_DISPATCH_CASE(at::kBFloat16, [&] {
+                       fp8_dequantize_impl<scalar_t>(out, cp, sp, codes.size(0), codes.size(1), scales.size(1), group);
+                     }) AT_DISPATCH_CASE(at::kHalf, [&] {
+                       fp8_dequantize_impl<scalar_t>(out, cp, sp, codes.size(0), codes.size(1), scales.size(1), group);
+                     }));
 }
 
 }  // namespace qwenserve::cpu

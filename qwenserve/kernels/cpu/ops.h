@@ -54,6 +54,11 @@ at::Tensor ggml_moe(const at::Tensor& x, const at::Tensor& ids, const at::Tensor
                     int64_t down_type, int64_t group, int64_t act_levels);
 // dense.cpp: out = x w^T + bias on bf16 / fp16 weights widened in registers (CPUs without bf16 arithmetic)
 void dense_mm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias);
+// dense.cpp: the same on FP8 e4m3 codes with float32 scales per row and group of input columns, and those weights
+// widened to out's dtype (prefill's matmuls on slices)
+void fp8_mm(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t group,
+            const std::optional<at::Tensor>& bias);
+void fp8_dequantize(at::Tensor& out, const at::Tensor& codes, const at::Tensor& scales, int64_t group);
 // roof.cpp: GOP/s (2 per int8 MAC) of a register-only loop of this build's int8 tile instructions on one thread and
 // on `threads` threads (0: all of torch's), and their name; amx: the AMX tile multiplies instead (where allowed)
 std::tuple<double, double, std::string> int8_roof(int64_t threads, double seconds, bool amx);

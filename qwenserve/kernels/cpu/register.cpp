@@ -39,6 +39,8 @@ QS_TORCH_LIBRARY(QS_OPS_NAMESPACE, m) {
   m.def("ggml_moe(Tensor x, Tensor ids, Tensor weights, Tensor gate, int gate_type, Tensor? up, int up_type, "
         "Tensor down, int down_type, int group=1, int act_levels=1) -> Tensor");
   m.def("dense_mm(Tensor(a!) out, Tensor x, Tensor w, Tensor? bias=None) -> ()");
+  m.def("fp8_mm(Tensor(a!) out, Tensor x, Tensor codes, Tensor scales, int group, Tensor? bias=None) -> ()");
+  m.def("fp8_dequantize(Tensor(a!) out, Tensor codes, Tensor scales, int group) -> ()");
   m.def("int8_roof(int threads=0, float seconds=0.2, bool amx=False) -> (float, float, str)",
         &qwenserve::cpu::int8_roof);
   using qwenserve::cpu::DecodeLayers;
@@ -66,4 +68,6 @@ QS_TORCH_LIBRARY_IMPL(QS_OPS_NAMESPACE, CPU, m) {
   m.impl("ggml_mm", &qwenserve::cpu::ggml_mm);
   m.impl("ggml_moe", &qwenserve::cpu::ggml_moe);
   m.impl("dense_mm", &qwenserve::cpu::dense_mm);
+  m.impl("fp8_mm", &qwenserve::cpu::fp8_mm);
+  m.impl("fp8_dequantize", &qwenserve::cpu::fp8_dequantize);
 }

@@ -7,10 +7,10 @@ run dtype, each expert's slice also a parameter named as checkpoints name it (ex
 experts.E.down_proj.weight, after the loader's gate/up fusion), so the loader fills them as it fills any fused
 projection; the tokens are grouped by expert and only the chosen experts run, in PyTorch. An FP8 checkpoint's
 experts (quantization/fp8.py) are held that way too, as e4m3 codes with their scales per row beside them
-(s13, s2, named weight_scale_inv / weight_scale as the checkpoint names them), each dequantized as it runs. As blocks (a GGUF file
-under the `gguf` quantization, where the kernels run): each expert's parameters are placeholders whose loaders
-keep the file's blocks, stacked per projection once loaded, and one ggml_moe call runs the chosen experts on them
-(quantization/gguf_experts.py). Under tensor parallelism each rank holds its slice of every expert's intermediate
+(s13, s2, named weight_scale_inv / weight_scale as the checkpoint names them), run one byte a weight by the FP8
+linear path (fp8_linear). As blocks (a GGUF file under the `gguf` quantization, where the kernels run): each
+expert's parameters are placeholders whose loaders keep the file's blocks, stacked per projection once loaded, and
+one ggml_moe call runs the chosen experts on them (quantization/gguf_experts.py). Under tensor parallelism each rank holds its slice of every expert's intermediate
 dimension (vLLM's default); the partial outputs are summed with one all-reduce. With enable_expert_parallel
 (tp.expert_parallel) each rank instead holds a contiguous range of whole experts (distributed/layout.py's
 local_experts) and nothing of the others, whose checkpoint tensors its placeholders take and drop; every rank routes
@@ -26,7 +26,7 @@ from qwenserve.config.errors import ConfigError
 from qwenserve.config.tuning import this_cpu_tuning
 from qwenserve.distributed.layout import check_expert_split, local_experts
 from qwenserve.distributed.tensor_parallel import TensorParallel
-from qwenserve.model.layers.quantization.fp8 import E4M3, dequantize, expert_config, fill_scales, load_codes
+from qwenserve.model.layers.quantization.fp8 import E4M3, expert_config, fill_scales, fp8_linear, fp8_ops, load_codes
 from qwenserve.model.layers.quantization.ggml_blocks import activation_levels
 from qwenserve.model.layers.quantization.gguf_experts import ExpertBlockCollector, expert_kernels
 
@@ -163,6 +163,7 @@ class FusedExperts(nn.Module):
         self.blocks = None  # the stacked blocks ggml_moe runs, once loaded
         self.ops = expert_kernels(linear_method, torch.empty(0).device)  # where the model is being built
         self.fp8 = expert_config(linear_method)  # FP8 experts: e4m3 codes, and their scales s13 / s2 per row
+        self.fp8_ops = fp8_ops(torch.empty(0).device) if self.fp8 is not None else None
         self.collector = None
         if self.ops is not None:
             self.collector = ExpertBlockCollector(local, hidden_size, inter, split)
@@ -231,13 +232,12 @@ class FusedExperts(nn.Module):
             return self.tp.all_reduce(self.blocks.run(self.ops, x, weights, ids, self.act_levels))
         return self.tp.all_reduce(self._dense(x, weights, ids, None))
 
-    def _expert_weights(self, expert: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """An expert's (gate_up, down) weights in dtype: FP8 experts are dequantized one expert at a time."""
+    def _expert_linear(self, weights: torch.Tensor, scales: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+        """x through one expert's gate_up or down weights: FP8 experts' codes stay one byte a weight (fp8_linear)."""
         if self.fp8 is None:
-            return self.w13[expert], self.w2[expert]
-        group = self.fp8.block[1] if self.fp8.block else 1
-        return (dequantize(self.w13[expert], self.s13[expert], group, dtype),
-                dequantize(self.w2[expert], self.s2[expert], group, dtype))
+            return F.linear(x, weights)
+        group = self.fp8.block[1] if self.fp8.block and scales.shape[1] > 1 else weights.shape[1]
+        return fp8_linear(self.fp8_ops, weights, scales, group, x)
 
     def _dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                tokens: torch.Tensor | None) -> torch.Tensor:
@@ -256,8 +256,8 @@ class FusedExperts(nn.Module):
             rows = pairs // ids.shape[1]
             if tokens is not None:
                 rows = tokens[rows]
-            w13, w2 = self._expert_weights(expert, x.dtype)
-            gate, up = F.linear(x[rows], w13).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, w2)
+            scales = (None, None) if self.fp8 is None else (self.s13[expert], self.s2[expert])
+            gate, up = self._expert_linear(self.w13[expert], scales[0], x[rows]).chunk(2, dim=-1)
+            y = self._expert_linear(self.w2[expert], scales[1], F.silu(gate) * up)
             out.index_add_(0, rows, y * weights.flatten()[pairs, None])
         return out

@@ -18,14 +18,17 @@ tensor-parallel slices cut at any row. Layers the config leaves unquantized (ign
 modules_to_not_convert, compressed-tensors' ignore) are made dense when the model learns its layers' names
 (`named`); the LM head, embeddings and norms are never quantized here.
 
-apply() is the correct path, not yet the fast one: it dequantizes a few hundred rows at a time to the run dtype and
-runs a dense matmul on them, so no full dequantized copy exists. Activations stay in the run dtype (weight-only,
+apply() keeps the weights one byte each: below WIDEN_IN_REGISTERS_BELOW_ROWS activation rows (decode, batched
+decode, speculative verify) our fp8_mm widens the codes in registers inside its dot products (kernels/cpu/dense.cpp);
+from there (prefill) slices of about a million weights are widened one at a time (fp8_dequantize) and multiplied by
+dense matmuls, in float32 where the CPU has no bf16 arithmetic. Activations stay in the run dtype (weight-only,
 W8A16, as vLLM runs FP8 on the CPU), except where the checkpoint has static input scales: those were calibrated for
 inputs quantized to e4m3 with them, and the layer quantizes its input so (x / s saturated at +-448, rounded to
 e4m3, times s), as vLLM's static FP8 path does."""
 from __future__ import annotations
 
 import functools
+import logging
 import re
 from dataclasses import dataclass
 
@@ -33,12 +36,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qwenserve.model.layers.linear import LinearMethod, UnquantizedLinearMethod
+from qwenserve.kernels import cpu_ops_for
+from qwenserve.model.layers.linear import (WIDEN_IN_REGISTERS_BELOW_ROWS, LinearMethod, UnquantizedLinearMethod,
+                                           variant_has_bf16)
+
+logger = logging.getLogger(__name__)
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # torch.finfo(float8_e4m3fn).max
 ONLINE_BLOCK = (128, 128)
-DEQUANTIZE_WEIGHTS = 1 << 20  # weights dequantized at a time in apply (4 MiB of float32)
+DEQUANTIZE_WEIGHTS = 1 << 20  # weights widened at a time on apply's many-rows route (4 MiB of float32)
 
 
 @dataclass(frozen=True)
@@ -155,9 +162,10 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, group: int, dtype: tor
     """codes [rows, K] (e4m3) and scales [rows, ceil(K / group)] -> weights [rows, K] in dtype, each the float32
     product code * scale rounded once to dtype.
 
-    torch's own e4m3 -> float32 conversion runs element by element on the CPU (7.5 ms a million codes on this
-    project's 2-core machine, against 2.4 ms for most of the bit operations here); instead the code's bits are placed in a float32's (sign to sign; exponent and mantissa to the
-    low bits of float32's exponent and the top of its mantissa), which reads as code * 2^-120 exactly, subnormal
+    The path where our kernels are not (they widen in registers: fp8_dequantize). torch's own e4m3 -> float32
+    conversion runs element by element on the CPU (7.5 ms a million codes on this project's 2-core machine, against
+    2.4 ms for most of the bit operations here); instead the code's bits are placed in a float32's (sign to sign;
+    exponent and mantissa to the low bits of float32's exponent and the top of its mantissa), which reads as code * 2^-120 exactly, subnormal
     codes included, and the 2^120 rides in the scale: the product is the same float32. (The NaN codes 0x7f / 0xff
     read as 480; no checkpoint holds them.) A scale of 2^8 or more would overflow times 2^120 and takes torch's
     conversion."""
@@ -349,14 +357,68 @@ class FP8LinearMethod(LinearMethod):
             layer.fp8_scales = getattr(layer, self.config.scale_name).data
         # a fused layer's shards may have their own input scales; the largest covers them all (vLLM's choice)
         layer.fp8_input_scale = max(layer.fp8_input_scales) if layer.fp8_input_scales else None
+        layer.fp8_ops = fp8_ops(layer.weight.device)
+        _log_route(layer.fp8_ops is not None)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if layer.fp8_input_scale is not None:
             x = quantize_input_static(x, layer.fp8_input_scale)
-        codes, scales, group = layer.weight, layer.fp8_scales, layer.fp8_group
-        out = x.new_empty(*x.shape[:-1], codes.shape[0])
-        step = max(1, DEQUANTIZE_WEIGHTS // codes.shape[1])
+        return fp8_linear(layer.fp8_ops, layer.weight, layer.fp8_scales, layer.fp8_group, x, bias)
+
+
+def fp8_linear(ops, codes: torch.Tensor, scales: torch.Tensor, group: int, x: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + b for W = codes [N, K] (e4m3) times scales [N, ceil(K / group)], W never held widened whole: below
+    WIDEN_IN_REGISTERS_BELOW_ROWS rows through fp8_mm, from there through matmuls on slices widened one at a time.
+    ops: fp8_ops() of the weight's device."""
+    codes = codes.view(torch.uint8)
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    out = rows.new_empty(rows.shape[0], codes.shape[0])
+    if ops is not None and rows.shape[0] < WIDEN_IN_REGISTERS_BELOW_ROWS:
+        ops.fp8_mm(out, rows, codes, scales, group, bias)
+    else:
+        dtype = matmul_dtype(rows)
+        wide_rows = rows.to(dtype)
+        step = max(8, DEQUANTIZE_WEIGHTS // codes.shape[1])
         for start in range(0, codes.shape[0], step):
-            rows = slice(start, start + step)
-            out[..., rows] = F.linear(x, dequantize(codes[rows], scales[rows], group, x.dtype))
-        return out + bias if bias is not None else out
+            part = slice(start, start + step)
+            out[:, part] = torch.mm(wide_rows, widen(ops, codes[part], scales[part], group, dtype).t())
+        if bias is not None:
+            out += bias
+    return out.reshape(*x.shape[:-1], codes.shape[0])
+
+
+def fp8_ops(device: torch.device):
+    """The kernel library whose fp8_mm and fp8_dequantize run FP8 weights on this device; None: the PyTorch path."""
+    ops = cpu_ops_for(device)
+    return ops if ops is not None and hasattr(ops, "fp8_mm") else None
+
+
+def matmul_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype prefill's matmuls on widened FP8 slices run in: the activations', unless that is bf16 / fp16 on a
+    CPU without arithmetic in it, where float32 matmuls run several times faster."""
+    if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16) and not (
+            x.dtype == torch.bfloat16 and variant_has_bf16()):
+        return torch.float32
+    return x.dtype
+
+
+def widen(ops, codes: torch.Tensor, scales: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """codes [rows, K] (uint8 e4m3 bits) and their scales as weights [rows, K] in dtype: our kernel where there is
+    one, dequantize() elsewhere."""
+    if ops is None:
+        return dequantize(codes.view(E4M3), scales, group, dtype)
+    out = torch.empty(codes.shape, dtype=dtype)
+    ops.fp8_dequantize(out, codes, scales, group)
+    return out
+
+
+@functools.cache
+def _log_route(kernels: bool) -> None:
+    """Say once per process how FP8 weights run."""
+    if kernels:
+        logger.info("fp8 weights: one byte a weight, widened to float32 inside qwenserve's fp8_mm below %d activation "
+                    "rows; from there matmuls on slices widened one at a time", WIDEN_IN_REGISTERS_BELOW_ROWS)
+    else:
+        logger.info("fp8 weights: one byte a weight, dequantized a slice at a time into dense matmuls (no qwenserve "
+                    "kernels on this device)")
