@@ -140,7 +140,7 @@ def compare_sides(model: str | None) -> CompareSides:
         return CompareSides("none", f"{checkpoint.path} in float32 (quantization none: the exact path)",
                             f"{checkpoint.path} in float32")
     method = checkpoint.native_quantization
-    return CompareSides(method, f"{checkpoint.path} in float32 activations on its FP8 weights (quantization {method})",
+    return CompareSides(method, f"{checkpoint.path}: its FP8 weights (quantization {method}), float32 activations",
                         "its dequantized reference in float32 (code x scale, written by qwenserve convert)")
 
 
