@@ -81,11 +81,18 @@ def weight_shapes(model) -> dict[tuple, list[torch.nn.Module]]:
         if not hasattr(module, "linear_method"):
             continue
         kind = name.split(".")[-1]
-        segments = getattr(module, "segments", None)
-        types = "+".join(s.ggml_type.name if isinstance(s, GGMLTensor) else str(s.dtype).removeprefix("torch.")
-                         for _, s in segments) if segments else "dense"
-        shapes.setdefault((kind, types, module.output_size, module.input_size), []).append(module)
+        shapes.setdefault((kind, _weight_types(module), module.output_size, module.input_size), []).append(module)
     return shapes
+
+
+def _weight_types(module) -> str:
+    """How the table names a layer's weights: its segments' block types, float8_e4m3fn for FP8 codes, else dense."""
+    segments = getattr(module, "segments", None)
+    if segments:
+        return "+".join(s.ggml_type.name if isinstance(s, GGMLTensor) else str(s.dtype).removeprefix("torch.")
+                        for _, s in segments)
+    weight = getattr(module, "weight", None)
+    return str(weight.dtype).removeprefix("torch.") if weight is not None and weight.dtype.itemsize == 1 else "dense"
 
 
 def _alternatives(out_features: int, in_features: int, dtype: torch.dtype) -> dict:
@@ -133,7 +140,8 @@ def layer_bytes(module) -> int:
     if segments:
         return sum(s.nbytes if isinstance(s, GGMLTensor) else s.numel() * s.element_size() for _, s in segments)
     weight = module.weight if module.weight is not None else module.packed_weight
-    return weight.numel() * weight.element_size()
+    scales = getattr(module, "fp8_scales", None)  # an FP8 layer reads its scales beside its codes
+    return weight.numel() * weight.element_size() + (scales.numel() * scales.element_size() if scales is not None else 0)
 
 
 def bench_kernels(config: EngineConfig, rows: tuple[int, ...] = ROWS) -> dict:
