@@ -141,7 +141,8 @@ def layer_bytes(module) -> int:
         return sum(s.nbytes if isinstance(s, GGMLTensor) else s.numel() * s.element_size() for _, s in segments)
     weight = module.weight if module.weight is not None else module.packed_weight
     scales = getattr(module, "fp8_scales", None)  # an FP8 layer reads its scales beside its codes
-    return weight.numel() * weight.element_size() + (scales.numel() * scales.element_size() if scales is not None else 0)
+    scale_bytes = scales.numel() * scales.element_size() if scales is not None else 0
+    return weight.numel() * weight.element_size() + scale_bytes
 
 
 def bench_kernels(config: EngineConfig, rows: tuple[int, ...] = ROWS) -> dict:

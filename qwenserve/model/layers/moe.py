@@ -10,12 +10,12 @@ experts (quantization/fp8.py) are held that way too, as e4m3 codes with their sc
 (s13, s2, named weight_scale_inv / weight_scale as the checkpoint names them), run one byte a weight by the FP8
 linear path (fp8_linear). As blocks (a GGUF file under the `gguf` quantization, where the kernels run): each
 expert's parameters are placeholders whose loaders keep the file's blocks, stacked per projection once loaded, and
-one ggml_moe call runs the chosen experts on them (quantization/gguf_experts.py). Under tensor parallelism each rank holds its slice of every expert's intermediate
-dimension (vLLM's default); the partial outputs are summed with one all-reduce. With enable_expert_parallel
-(tp.expert_parallel) each rank instead holds a contiguous range of whole experts (distributed/layout.py's
-local_experts) and nothing of the others, whose checkpoint tensors its placeholders take and drop; every rank routes
-every token, runs only the (token, expert) pairs of its own experts, and the same all-reduce sums the ranks'
-parts."""
+one ggml_moe call runs the chosen experts on them (quantization/gguf_experts.py). Under tensor parallelism each rank
+holds its slice of every expert's intermediate dimension (vLLM's default); the partial outputs are summed with one
+all-reduce. With enable_expert_parallel (tp.expert_parallel) each rank instead holds a contiguous range of whole
+experts (distributed/layout.py's local_experts) and nothing of the others, whose checkpoint tensors its placeholders
+take and drop; every rank routes every token, runs only the (token, expert) pairs of its own experts, and the same
+all-reduce sums the ranks' parts."""
 from __future__ import annotations
 
 import torch

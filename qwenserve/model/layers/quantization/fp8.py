@@ -165,10 +165,10 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, group: int, dtype: tor
     The path where our kernels are not (they widen in registers: fp8_dequantize). torch's own e4m3 -> float32
     conversion runs element by element on the CPU (7.5 ms a million codes on this project's 2-core machine, against
     2.4 ms for most of the bit operations here); instead the code's bits are placed in a float32's (sign to sign;
-    exponent and mantissa to the low bits of float32's exponent and the top of its mantissa), which reads as code * 2^-120 exactly, subnormal
-    codes included, and the 2^120 rides in the scale: the product is the same float32. (The NaN codes 0x7f / 0xff
-    read as 480; no checkpoint holds them.) A scale of 2^8 or more would overflow times 2^120 and takes torch's
-    conversion."""
+    exponent and mantissa to the low bits of float32's exponent and the top of its mantissa), which reads as
+    code * 2^-120 exactly, subnormal codes included, and the 2^120 rides in the scale: the product is the same
+    float32. (The NaN codes 0x7f / 0xff read as 480; no checkpoint holds them.) A scale of 2^8 or more would overflow
+    times 2^120 and takes torch's conversion."""
     if bool((scales.abs() >= _UNBIAS_LIMIT).any()):
         weights, factor = codes.float(), scales
     else:
