@@ -31,8 +31,9 @@
 
 namespace qwenserve::cpu::ggml::x86 {
 
-// below this many activation rows the decode kernel (dot8) is faster (docs/performance.md, "AVX2 tile kernels")
-constexpr int64_t kAvx2TileMinRows = 16;
+// below this many activation rows the decode kernel (dot8) is faster; from it the verify step of 5 speculative
+// tokens takes the tiles (docs/performance.md, the AVX2 tile kernels)
+constexpr int64_t kAvx2TileMinRows = 6;
 constexpr int kAvx2TileRows = 8;  // activation rows per pass over a decoded group
 
 // The largest unsigned code the sweeps meet per kernel type. Q8_0's signed codes are moved up by 128 and, without
