@@ -1,12 +1,13 @@
 """Decode steps of a block-quantized model run all its decoder layers in one call of the compiled kernels
 (model/layers/decode_layers.py), which calls the kernels the layer modules call, in their order. Checked against
-enforce_eager (the modules one by one) on a tiny random GGUF model: the same tokens and the same log-probabilities
-to the bit, in bf16 and float32, with sequences of different lengths decoding side by side; the call is taken for
-decode steps, never for prefill or under a LoRA adapter, and not where some part of a layer has no kernel."""
+enforce_eager (the modules one by one) on a tiny random GGUF model and its FP8 form: the same tokens and the same
+log-probabilities to the bit, in bf16 and float32, with sequences of different lengths decoding side by side; the
+call is taken for decode steps, never for prefill or under a LoRA adapter, and not where some part of a layer has no
+kernel."""
 import peft
 import pytest
 import torch
-from helpers import fused_steps, save_gguf, tiny_hf_model  # noqa: F401 (fixture fused_steps)
+from helpers import fused_steps, save_gguf, save_hf_dir, tiny_hf_model  # noqa: F401 (fixture fused_steps)
 
 from qwenserve import LLM, LoRARequest, SamplingParams
 
@@ -42,6 +43,18 @@ def test_one_call_equals_the_layer_modules_bit_for_bit(ops, gguf_path, fused_ste
     eager = generate(gguf_path, dtype, enforce_eager=True)
     assert not any(fused_steps), "enforce_eager must run the modules at every step"
     assert fused == eager
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_fp8_projections_take_the_one_call_bit_for_bit(ops, hf_model, fused_steps, tmp_path, dtype):
+    """FP8 weights (quantized at load, as an FP8 checkpoint holds them) run in the one call through fp8_mm, with the
+    modules' answers to the bit."""
+    path = save_hf_dir(hf_model, str(tmp_path / "hf"))
+    fused = generate(path, dtype, enforce_eager=False, quantization="fp8")
+    assert max(fused_steps) == len(PROMPTS), "FP8 decode steps did not take the one-call path"
+    fused_steps.clear()
+    assert fused == generate(path, dtype, enforce_eager=True, quantization="fp8")
+    assert not any(fused_steps)
 
 
 def test_parts_without_a_kernel_run_the_modules(ops, gguf_path, fused_steps):

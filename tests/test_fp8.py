@@ -17,10 +17,11 @@ import os
 
 import pytest
 import torch
-from helpers import assert_hf_greedy, greedy_tokens, save_hf_dir, tiny_hf_model, tiny_qwen3
+from helpers import (assert_hf_greedy, fused_steps, greedy_tokens, save_hf_dir, tiny_hf_model,  # noqa: F401
+                     tiny_qwen3)
 from safetensors.torch import load_file, save_file
 
-from qwenserve import LLM
+from qwenserve import LLM, SamplingParams
 from qwenserve.config.errors import ConfigError
 from qwenserve.model.loader.model_loader import LoadedModel, WeightLoadError
 from qwenserve.worker.model_runner import full_logits
@@ -226,6 +227,25 @@ def test_static_input_scales_change_the_result(tmp_path):
             projection(model, i, name).fp8_input_scale = None
     assert (full_logits(model, IDS) - with_scales).abs().max() > 1e-3
     torch.testing.assert_close(with_scales, hf_logits(ref), atol=2e-5, rtol=1e-5)
+
+
+def test_static_input_scales_keep_decode_on_the_modules(ops, tmp_path, fused_steps):
+    """The one-call decode runs fp8_mm on unquantized inputs, so layers with static input scales decode through the
+    modules (which quantize the inputs), answering as enforce_eager does; a dynamic checkpoint takes the call."""
+    write_fp8(tmp_path / "static", qwen2(), "tensor-static")
+    write_fp8(tmp_path / "block", qwen2(), "block")
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = [{"prompt_token_ids": IDS[:9]}, {"prompt_token_ids": IDS[3:20]}]
+
+    def tokens(path, eager):
+        llm = LLM(model=str(path), dtype="float32", enforce_eager=eager, max_model_len=128)
+        return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    static = tokens(tmp_path / "static", eager=False)
+    assert fused_steps and not any(fused_steps)
+    assert static == tokens(tmp_path / "static", eager=True)
+    fused_steps.clear()
+    tokens(tmp_path / "block", eager=False)
+    assert max(fused_steps) == len(prompts)
 
 
 def test_bf16_run_of_a_block_checkpoint_is_close(tmp_path):

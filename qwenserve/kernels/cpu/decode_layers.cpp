@@ -1,8 +1,9 @@
 // A decode-only batch through a pipeline stage's decoder layers in one call (DecodeLayers): the CPU's stand-in for
 // a captured graph. It calls the same kernels in the same order as the layer modules do one by one (norms, the
-// projections' ggml_mm segments, the per-head q/k norms where the layer has them, rotary, the KV write, paged
-// decode attention, SiLU), so its results are bit-identical to theirs; what it removes is the Python between the
-// calls, which at batch 1 on a small model is a sixth of a step (docs/performance.md, "Decode layers in one call").
+// projections' ggml_mm segments or an FP8 projection's fp8_mm, the per-head q/k norms where the layer has them,
+// rotary, the KV write, paged decode attention, SiLU), so its results are bit-identical to theirs; what it removes
+// is the Python between the calls, which at batch 1 on a small model is a sixth of a step (docs/performance.md,
+// "Decode layers in one call").
 // Mixture-of-experts layers (Qwen2-MoE, Qwen3-MoE with their experts as ggml blocks) run here too: the router as
 // moe.py's TopKRouter computes it (the same ATen ops: linear, softmax in float32, topk, renormalisation), the
 // experts by the ggml_moe kernel the module calls, and Qwen2-MoE's shared expert by its ggml_mm segments, SiLU and
@@ -66,25 +67,46 @@ void DecodeLayers::add_shared_expert(at::Tensor gate_weight) {
   layers_.back().experts->shared_gate = std::move(gate_weight);
 }
 
-void DecodeLayers::add_segment(int64_t projection, int64_t out_features, at::Tensor raw, int64_t ggml_type,
-                               int64_t group, std::optional<at::Tensor> bias, int64_t offset, int64_t rows) {
-  TORCH_CHECK(!layers_.empty(), "DecodeLayers.add_segment: add the layer first");
-  TORCH_CHECK(projection >= 0 && projection < kProjections, "DecodeLayers.add_segment: projection ", projection,
+DecodeLayers::Projection& DecodeLayers::projection_for(const char* method, int64_t projection,
+                                                       int64_t out_features) {
+  TORCH_CHECK(!layers_.empty(), "DecodeLayers.", method, ": add the layer first");
+  TORCH_CHECK(projection >= 0 && projection < kProjections, "DecodeLayers.", method, ": projection ", projection,
               " is not 0 (qkv), 1 (o), 2 (gate_up), 3 (down), 4 (shared expert gate_up) or 5 (shared expert down)");
-  TORCH_CHECK(offset >= 0 && rows > 0 && offset + rows <= out_features,
-              "DecodeLayers.add_segment: rows [", offset, ", ", offset + rows, ") outside ", out_features, " outputs");
   Projection& p = layers_.back().projections[projection];
   TORCH_CHECK(p.out_features == 0 || p.out_features == out_features,
-              "DecodeLayers.add_segment: segments of one projection disagree on its outputs");
+              "DecodeLayers.", method, ": segments of one projection disagree on its outputs");
   p.out_features = out_features;
-  p.segments.push_back(Segment{std::move(raw), ggml_type, group, std::move(bias), offset, rows});
+  return p;
 }
 
-// out[B, out_features] = x @ W^T (+ bias), one ggml_mm per segment, as GGMLBlockLinearMethod.apply does at few rows
+void DecodeLayers::add_segment(int64_t projection, int64_t out_features, at::Tensor raw, int64_t ggml_type,
+                               int64_t group, std::optional<at::Tensor> bias, int64_t offset, int64_t rows) {
+  TORCH_CHECK(offset >= 0 && rows > 0 && offset + rows <= out_features,
+              "DecodeLayers.add_segment: rows [", offset, ", ", offset + rows, ") outside ", out_features, " outputs");
+  projection_for("add_segment", projection, out_features)
+      .segments.push_back(Segment{std::move(raw), ggml_type, group, std::move(bias), offset, rows, at::Tensor()});
+}
+
+void DecodeLayers::add_fp8_projection(int64_t projection, at::Tensor codes, at::Tensor scales, int64_t group,
+                                      std::optional<at::Tensor> bias) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && scales.dim() == 2 &&
+                  scales.size(0) == codes.size(0) && scales.scalar_type() == at::kFloat,
+              "DecodeLayers.add_fp8_projection: codes must be uint8 [out, in] and scales float32 [out, groups]");
+  const int64_t out_features = codes.size(0);
+  Projection& p = projection_for("add_fp8_projection", projection, out_features);
+  TORCH_CHECK(p.segments.empty(), "DecodeLayers.add_fp8_projection: the projection already has segments");
+  p.segments.push_back(Segment{std::move(codes), -1, group, std::move(bias), 0, out_features, std::move(scales)});
+}
+
+// out[B, out_features] = x @ W^T (+ bias): one ggml_mm per segment, as GGMLBlockLinearMethod.apply does at few
+// rows, or the one fp8_mm of an FP8 projection, as fp8_linear does
 void DecodeLayers::project(at::Tensor& out, const at::Tensor& x, const Projection& p) const {
   for (const Segment& s : p.segments) {
     at::Tensor target = s.rows == p.out_features ? out : out.narrow(1, s.offset, s.rows);
-    ggml_mm(target, x, s.raw, s.ggml_type, s.group, s.bias, act_levels_);
+    if (s.fp8_scales.defined())
+      fp8_mm(target, x, s.raw, s.fp8_scales, s.group, s.bias);
+    else
+      ggml_mm(target, x, s.raw, s.ggml_type, s.group, s.bias, act_levels_);
   }
 }
 

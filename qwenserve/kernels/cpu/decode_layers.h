@@ -39,6 +39,10 @@ class DecodeLayers : public torch::CustomClassHolder {
   // one ggml_mm call of the last layer's projection: its rows [offset, offset + rows) of out_features outputs
   void add_segment(int64_t projection, int64_t out_features, at::Tensor raw, int64_t ggml_type, int64_t group,
                    std::optional<at::Tensor> bias, int64_t offset, int64_t rows);
+  // the last layer's projection as one fp8_mm call: e4m3 codes [out_features, in] as uint8 and float32 scales
+  // [out_features, groups] per row and group of `group` input columns (quantization/fp8.py's layout)
+  void add_fp8_projection(int64_t projection, at::Tensor codes, at::Tensor scales, int64_t group,
+                          std::optional<at::Tensor> bias);
   // hidden [B, H] (and the residual, None on the first stage) -> (hidden, residual) after the last layer, as the
   // layer modules return them; positions, slots: [B] int64; block_tables [B, width], context_lens [B] int64
   std::tuple<at::Tensor, at::Tensor> run(at::Tensor hidden, std::optional<at::Tensor> residual, at::Tensor positions,
@@ -47,10 +51,11 @@ class DecodeLayers : public torch::CustomClassHolder {
 
  private:
   struct Segment {
-    at::Tensor raw;
+    at::Tensor raw;  // ggml blocks, or FP8 codes where fp8_scales is defined
     int64_t ggml_type, group;
     std::optional<at::Tensor> bias;
     int64_t offset, rows;
+    at::Tensor fp8_scales;
   };
   struct Projection {
     std::vector<Segment> segments;
@@ -76,6 +81,7 @@ class DecodeLayers : public torch::CustomClassHolder {
     std::optional<Experts> experts;  // a mixture-of-experts MLP in place of the dense one
   };
 
+  Projection& projection_for(const char* method, int64_t projection, int64_t out_features);
   void project(at::Tensor& out, const at::Tensor& x, const Projection& p) const;
   void write_kv(const Layer& layer, const at::Tensor& qkv, const at::Tensor& slots) const;
   at::Tensor mlp(const at::Tensor& x, const Projection& gate_up, const Projection& down) const;

@@ -51,6 +51,7 @@ QS_TORCH_LIBRARY(QS_OPS_NAMESPACE, m) {
       .def("add_experts", &DecodeLayers::add_experts)
       .def("add_shared_expert", &DecodeLayers::add_shared_expert)
       .def("add_segment", &DecodeLayers::add_segment)
+      .def("add_fp8_projection", &DecodeLayers::add_fp8_projection)
       .def("run", &DecodeLayers::run)
       .def("num_layers", &DecodeLayers::num_layers);
 }

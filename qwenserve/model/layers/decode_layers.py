@@ -6,10 +6,11 @@ a batch-1 step of the bundled model: docs/performance.md, "Decode layers in one 
 It applies where every part of every layer has a kernel: layers whose declared parts (decode_parts) are the ones
 it runs (RUNS, or a mixture-of-experts MLP: MOE_MLP, with SHARED_EXPERT where there is one), with no parameter
 outside them; block-quantized projections that take ggml_mm at the step's rows (every segment a kernel call, no
-input permutation), experts kept as ggml blocks (moe.py's block mode, run by ggml_moe; not the dense experts of a
-float checkpoint), one tensor-parallel rank, a fixed 1-D rotary table (not M-RoPE's [3, T] positions), a KV cache
-in the run dtype, and a step of decode tokens only, none of them under a LoRA adapter. Anything else runs the
-modules, as does every step under enforce_eager. The layers' names are vLLM's (input_layernorm,
+input permutation) or FP8 projections that take fp8_mm (no static input scale), experts kept as ggml blocks
+(moe.py's block mode, run by ggml_moe; not the dense experts of a float checkpoint, nor FP8 experts), one
+tensor-parallel rank, a fixed 1-D rotary table (not M-RoPE's [3, T] positions), a KV cache in the run dtype, and a
+step of decode tokens only, none of them under a LoRA adapter. Anything else runs the modules, as does every step
+under enforce_eager. The layers' names are vLLM's (input_layernorm,
 self_attn.qkv_proj, mlp.gate_up_proj, mlp.experts, ...)."""
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 from qwenserve.model.layers.attention import AttentionMetadata, PagedKVCache
+from qwenserve.model.layers.linear import WIDEN_IN_REGISTERS_BELOW_ROWS
 from qwenserve.model.layers.moe import FusedExperts, TopKRouter
 from qwenserve.model.layers.rotary import MRotaryEmbedding
 
@@ -108,6 +110,13 @@ def _runs_on_kernel_calls(linear: nn.Module) -> bool:
             and getattr(linear, "bias", None) is getattr(linear, "kernel_bias", None))
 
 
+def _runs_on_fp8_mm(linear: nn.Module) -> bool:
+    """Whether the projection's few-row path is one fp8_mm call (FP8LinearMethod.apply on our kernels, without a
+    static input scale, whose quantizing of the input runs in Python)."""
+    return (getattr(linear, "fp8_ops", None) is not None and getattr(linear, "fp8_input_scale", 0) is None
+            and linear.tp.size == 1)
+
+
 class FusedDecodeLayers:
     """Decides per step whether the stage's layers run as one DecodeLayers call, and builds that call's object once
     per KV cache."""
@@ -124,9 +133,12 @@ class FusedDecodeLayers:
         """Decide again at the next step: a projection's dense_from_rows changed after the first decode step."""
         self._max_rows = None
 
+    def _linears(self) -> list[nn.Module]:
+        return [_projection(layer, path) for layer in self._layers for _, path in _projection_paths(layer)]
+
     def _rows_below(self) -> int:
-        """Steps of fewer rows than this may fuse (the rows below which every projection takes ggml_mm); 0 when
-        some part of a layer has no kernel."""
+        """Steps of fewer rows than this may fuse (the rows below which every projection takes ggml_mm or fp8_mm);
+        0 when some part of a layer has no kernel."""
         if self._ops is None or not self._layers:
             return 0
         if not all(runs_every_part(layer) for layer in self._layers):
@@ -137,12 +149,14 @@ class FusedDecodeLayers:
         rotary = first.self_attn.rotary_emb
         if rotary.dynamic or isinstance(rotary, MRotaryEmbedding):  # the call indexes one table by 1-D positions
             return 0
-        linears = [_projection(layer, path) for layer in self._layers for _, path in _projection_paths(layer)]
-        if not all(_runs_on_kernel_calls(linear) for linear in linears):
+        linears = self._linears()
+        blocks = [linear for linear in linears if _runs_on_kernel_calls(linear)]
+        fp8 = [linear for linear in linears if _runs_on_fp8_mm(linear)]
+        if len(blocks) + len(fp8) != len(linears):
             return 0
-        if len({linear.act_levels for linear in linears}) != 1:
+        if len({linear.act_levels for linear in blocks}) > 1:
             return 0
-        below = min(linear.dense_from_rows for linear in linears)
+        below = min([linear.dense_from_rows for linear in blocks] + [WIDEN_IN_REGISTERS_BELOW_ROWS] * bool(fp8))
         # a shared expert's MLP (Qwen2MLP) splits more rows than rows_per_pass into passes: the call runs one
         shared = [layer.mlp.shared_expert.rows_per_pass + 1 for layer in self._layers if _has_shared_expert(layer)]
         return min([below] + shared)
@@ -150,9 +164,10 @@ class FusedDecodeLayers:
     def _build(self, cache: PagedKVCache):
         first = self._layers[0]
         attn = first.self_attn
+        act_levels = next((linear.act_levels for linear in self._linears() if _runs_on_kernel_calls(linear)), 1)
         call = getattr(torch.classes, self._ops.name).DecodeLayers(
             attn.num_heads, attn.num_kv_heads, attn.head_dim, first.input_layernorm.eps, attn.attn.scale,
-            _projection(first, _PROJECTIONS[0]).act_levels, attn.rotary_emb.cos_sin)
+            act_levels, attn.rotary_emb.cos_sin)
         for layer in self._layers:
             i = layer.self_attn.attn.layer_idx
             call.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, cache.k[i], cache.v[i])
@@ -167,6 +182,10 @@ class FusedDecodeLayers:
                     call.add_shared_expert(layer.mlp.shared_expert_gate.weight)
             for number, path in _projection_paths(layer):
                 linear = _projection(layer, path)
+                if _runs_on_fp8_mm(linear):
+                    call.add_fp8_projection(number, linear.weight.view(torch.uint8), linear.fp8_scales,
+                                            linear.fp8_group, linear.bias)
+                    continue
                 for rows_slice, raw, ggml_type, group, bias in linear.kernel_calls:
                     offset, rows = ((0, linear.output_size) if rows_slice is None
                                     else (rows_slice.start, rows_slice.stop - rows_slice.start))
