@@ -7,8 +7,8 @@ run dtype, each expert's slice also a parameter named as checkpoints name it (ex
 experts.E.down_proj.weight, after the loader's gate/up fusion), so the loader fills them as it fills any fused
 projection; the tokens are grouped by expert and only the chosen experts run, in PyTorch. An FP8 checkpoint's
 experts (quantization/fp8.py) are held that way too, as e4m3 codes with their scales per row beside them
-(s13, s2, named weight_scale_inv / weight_scale as the checkpoint names them), run one byte a weight by the FP8
-linear path (fp8_linear). As blocks (a GGUF file under the `gguf` quantization, where the kernels run): each
+(s13, s2, named weight_scale_inv / weight_scale as the checkpoint names them; made at load under online fp8), run
+one byte a weight by the FP8 linear path (fp8_linear). As blocks (a GGUF file under the `gguf` quantization, where the kernels run): each
 expert's parameters are placeholders whose loaders keep the file's blocks, stacked per projection once loaded, and
 one ggml_moe call runs the chosen experts on them (quantization/gguf_experts.py). Under tensor parallelism each rank
 holds its slice of every expert's intermediate dimension (vLLM's default); the partial outputs are summed with one
@@ -26,7 +26,8 @@ from qwenserve.config.errors import ConfigError
 from qwenserve.config.tuning import this_cpu_tuning
 from qwenserve.distributed.layout import check_expert_split, local_experts
 from qwenserve.distributed.tensor_parallel import TensorParallel
-from qwenserve.model.layers.quantization.fp8 import E4M3, expert_config, fill_scales, fp8_linear, fp8_ops, load_codes
+from qwenserve.model.layers.quantization.fp8 import (E4M3, expert_config, fill_scales, fp8_linear, fp8_ops, load_codes,
+                                                     quantize_online)
 from qwenserve.model.layers.quantization.ggml_blocks import activation_levels
 from qwenserve.model.layers.quantization.gguf_experts import ExpertBlockCollector, expert_kernels
 
@@ -52,7 +53,8 @@ class TopKRouter(nn.Module):
 class _ExpertProjection(nn.Module):
     """One expert's gate_up_proj or down_proj: a view of the stacked weights that loads this rank's slice. Under an
     FP8 checkpoint (fp8: its format) the weight holds e4m3 codes and a second view, named as the checkpoint names
-    the scales, holds them per row (quantization/fp8.py)."""
+    the scales, holds them per row (quantization/fp8.py); under online fp8 the codes and scales are made from each
+    dense checkpoint tensor as it loads."""
 
     def __init__(self, weight: torch.Tensor, tp: TensorParallel, fused_gate_up: bool, fp8=None,
                  scales: torch.Tensor | None = None):
@@ -60,7 +62,8 @@ class _ExpertProjection(nn.Module):
         self.weight = nn.Parameter(weight, requires_grad=False)  # shares the stacked tensor's storage
         self.weight.weight_loader = self.weight_loader
         self.tp, self.fused_gate_up, self.fp8 = tp, fused_gate_up, fp8
-        if fp8 is not None:
+        self.online_scales = scales if fp8 is not None and fp8.online else None  # no checkpoint tensor fills them
+        if fp8 is not None and not fp8.online:
             param = nn.Parameter(scales, requires_grad=False)
             param.weight_loader = self.scale_loader
             setattr(self, fp8.scale_name, param)
@@ -77,16 +80,21 @@ class _ExpertProjection(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         if self.fp8 is not None:  # the codes, as bytes
-            loaded = load_codes(self.fp8, loaded)
+            if self.online_scales is None:
+                loaded = load_codes(self.fp8, loaded)
             param = nn.Parameter(param.data.view(torch.uint8), requires_grad=False)
         if self.fused_gate_up:  # rows [shard * I, (shard + 1) * I) take this rank's rows of gate or up
             size = param.shape[0] // 2
-            target, loaded = param.data.narrow(0, shard_id * size, size), loaded.narrow(0, self.tp.rank * size, size)
+            rows = slice(shard_id * size, (shard_id + 1) * size)
+            loaded = loaded.narrow(0, self.tp.rank * size, size)
         else:  # down_proj: this rank's columns
-            size = param.shape[1]
-            target, loaded = param.data, loaded.narrow(1, self.tp.rank * size, size)
+            rows, size = slice(None), param.shape[1]
+            loaded = loaded.narrow(1, self.tp.rank * size, size)
+        target = param.data[rows]
         if target.shape != loaded.shape:
             raise ValueError(f"expert weight of shape {tuple(loaded.shape)} does not fit {tuple(target.shape)}")
+        if self.online_scales is not None:  # this rank's slice quantized alone, as a linear layer's is
+            loaded, self.online_scales[rows] = quantize_online(loaded, self.fp8.block)
         target.copy_(loaded)
 
 

@@ -202,6 +202,15 @@ def quantize_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch
     return (weight.float() / per_weight).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3), scales
 
 
+def quantize_online(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A dense checkpoint tensor (bf16, fp16 or fp32) [N, K] as online FP8 holds it: e4m3 codes as bytes and each
+    row's scales [N, ceil(K / bk)], quantized in blocks as a block-wise checkpoint holds them."""
+    if not weight.is_floating_point() or weight.dtype.itemsize == 1:
+        raise ValueError(f"fp8 quantizes bf16, fp16 or fp32 weights at load; this one is {weight.dtype}")
+    codes, scales = quantize_blocks(weight, block)
+    return codes.view(torch.uint8), scales.repeat_interleave(block[0], 0)[:weight.shape[0]]
+
+
 def quantize_input_static(x: torch.Tensor, scale: float) -> torch.Tensor:
     """x as a static per-tensor FP8 input scale quantizes it: e4m3(x / scale), saturated, times scale."""
     codes = (x.float() / scale).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
@@ -209,9 +218,9 @@ def quantize_input_static(x: torch.Tensor, scale: float) -> torch.Tensor:
 
 
 def expert_config(linear_method) -> FP8Config | None:
-    """The FP8 checkpoint format of a mixture-of-experts layer built with this linear method (its experts then hold
-    e4m3 codes and scales: moe.py), or None (dense experts; online fp8 leaves experts dense)."""
-    if not isinstance(linear_method, FP8LinearMethod) or linear_method.config.online:
+    """The FP8 format of a mixture-of-experts layer built with this linear method (its experts then hold e4m3 codes
+    and scales: moe.py; online, quantized as they load), or None (dense experts)."""
+    if not isinstance(linear_method, FP8LinearMethod):
         return None
     if linear_method.config.static_input:
         raise ValueError(f"{linear_method.config.source}: experts with static input scales are not supported")
@@ -339,16 +348,14 @@ class FP8LinearMethod(LinearMethod):
     def _load_online(self, layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         """A dense checkpoint tensor (one part of a fused layer), quantized as it arrives, as a block-wise checkpoint
         would hold it: no more than that tensor is ever in full precision."""
-        if not loaded.is_floating_point() or loaded.dtype.itemsize == 1:
-            raise ValueError(f"fp8 quantizes bf16, fp16 or fp32 weights at load; this one is {loaded.dtype}")
         offset, size, start = layer.output_shard(shard_id)
         in_start, in_size = layer.input_shard()
         fits = loaded.dim() == 2 and loaded.shape[0] >= start + size and loaded.shape[1] >= in_start + in_size
         if not fits or (layer.tp.size == 1 and tuple(loaded.shape) != (size, in_size)):
             raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, the model expects {(size, in_size)}")
-        codes, scales = quantize_blocks(loaded[start:start + size, in_start:in_start + in_size], self.config.block)
-        param.data[offset:offset + size].view(torch.uint8).copy_(codes.view(torch.uint8))
-        layer.fp8_scales[offset:offset + size] = scales.repeat_interleave(self.config.block[0], 0)[:size]
+        codes, scales = quantize_online(loaded[start:start + size, in_start:in_start + in_size], self.config.block)
+        param.data[offset:offset + size].view(torch.uint8).copy_(codes)
+        layer.fp8_scales[offset:offset + size] = scales
 
     # -- after loading and apply -------------------------------------------------------------------------------
 
