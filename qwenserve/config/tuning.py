@@ -6,13 +6,13 @@ it, under the field's name.
 
 The classes are those the code tells apart: `amx` (AMX tiles; bf16 in hardware), `avx512_bf16` (AVX512-BF16
 without AMX) and `portable` (every other CPU, AVX2 and AVX-512 without BF16 included: bf16 matmuls are emulated
-there). Whether the int8 tile kernel exists is the compiled kernels' answer (ggml_mm_tiles), not the table's.
+there). Whether an int8 tile kernel runs a block type (AVX512-VNNI's, or AVX2's 256-bit one) is the compiled kernels'
+answer (ggml_mm_tiles), not the table's.
 
 The class is the CPU's, whichever kernel variant runs (the setting cpu_isa): what the table decides is where
 PyTorch's dense matmuls (oneDNN, which uses the CPU's bf16 and AMX whatever our library was compiled for) take over
 from our kernels, and whatever depends on the variant is asked of its library (a forced avx2 variant on an AMX
-CPU has no tile kernel, so the tile thresholds are not consulted; a weaker variant only makes the dense route, taken
-from the same row counts, the better choice)."""
+CPU has only the AVX2 tiles, which the tile thresholds then govern)."""
 from __future__ import annotations
 
 import dataclasses

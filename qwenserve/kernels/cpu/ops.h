@@ -39,7 +39,8 @@ at::Tensor ggml_dequantize(const at::Tensor& raw, int64_t ggml_type, int64_t col
 // act_levels: 1 quantizes each activation once to int8 blocks, as llama.cpp; 2 quantizes what that leaves too
 void ggml_mm(at::Tensor& out, const at::Tensor& x, const at::Tensor& raw, int64_t ggml_type, int64_t group,
              const std::optional<at::Tensor>& bias, int64_t act_levels);
-// whether ggml_mm has the VNNI tile kernel for this type (weights in the decode layout, 4 or more activation rows)
+// whether ggml_mm has a tile kernel for this type (weights in the decode layout, many activation rows): the
+// AVX512-VNNI one, or the 256-bit one of AVX2 builds (Q8_0 there only with 256-bit VNNI)
 bool ggml_mm_tiles(int64_t ggml_type);
 // whether ggml_mm runs the AMX int8 tile kernel (the K-quants, from 32 activation rows), and a switch that keeps it off
 bool ggml_amx_tiles();

@@ -192,7 +192,17 @@ void ggml_mm(at::Tensor& out, const at::Tensor& x, const at::Tensor& raw, int64_
 bool ggml_mm_tiles(int64_t ggml_type) {
   using namespace ggml;
   switch (ggml_type) {
-    case kQ4_0: case kQ4_1: case kQ5_0: case kQ8_0: case kQ4_K: case kQ5_K: case kQ6_K: return QS_X86_AVX512_VNNI;
+#if QS_X86_AVX512_VNNI
+    case kQ4_0: case kQ4_1: case kQ5_0: case kQ8_0: case kQ4_K: case kQ5_K: case kQ6_K: return true;
+#elif QS_X86_AVX2
+    case kQ4_0: return x86::kAvx2Tiles<LegacyUnsigned<kQ4_0>>;
+    case kQ4_1: return x86::kAvx2Tiles<LegacyUnsigned<kQ4_1>>;
+    case kQ5_0: return x86::kAvx2Tiles<LegacyUnsigned<kQ5_0>>;
+    case kQ8_0: return x86::kAvx2Tiles<Q8_0Kernel>;
+    case kQ4_K: return x86::kAvx2Tiles<KQuant45<kQ4_K>>;
+    case kQ5_K: return x86::kAvx2Tiles<KQuant45<kQ5_K>>;
+    case kQ6_K: return x86::kAvx2Tiles<Q6_KKernel>;
+#endif
     default: return false;
   }
 }
