@@ -6,16 +6,16 @@ whose experts are float): stacked, [experts, 2 * intermediate, hidden] and [expe
 run dtype, each expert's slice also a parameter named as checkpoints name it (experts.E.gate_up_proj.weight,
 experts.E.down_proj.weight, after the loader's gate/up fusion), so the loader fills them as it fills any fused
 projection; the tokens are grouped by expert and only the chosen experts run, in PyTorch. An FP8 checkpoint's
-experts (quantization/fp8.py) are held that way too, as e4m3 codes with their scales per row beside them
-(s13, s2, named weight_scale_inv / weight_scale as the checkpoint names them; made at load under online fp8), run
-one byte a weight by the FP8 linear path (fp8_linear). As blocks (a GGUF file under the `gguf` quantization, where the kernels run): each
-expert's parameters are placeholders whose loaders keep the file's blocks, stacked per projection once loaded, and
-one ggml_moe call runs the chosen experts on them (quantization/gguf_experts.py). Under tensor parallelism each rank
-holds its slice of every expert's intermediate dimension (vLLM's default); the partial outputs are summed with one
-all-reduce. With enable_expert_parallel (tp.expert_parallel) each rank instead holds a contiguous range of whole
-experts (distributed/layout.py's local_experts) and nothing of the others, whose checkpoint tensors its placeholders
-take and drop; every rank routes every token, runs only the (token, expert) pairs of its own experts, and the same
-all-reduce sums the ranks' parts."""
+experts (quantization/fp8.py) are held that way too, as e4m3 codes with their scales per row beside them (s13, s2,
+named weight_scale_inv / weight_scale as the checkpoint names them; made at load under online fp8), run one byte a
+weight by the FP8 linear path (fp8_linear). As blocks (a GGUF file under the `gguf` quantization, where the kernels
+run): each expert's parameters are placeholders whose loaders keep the file's blocks, stacked per projection once
+loaded, and one ggml_moe call runs the chosen experts on them (quantization/gguf_experts.py). Under tensor
+parallelism each rank holds its slice of every expert's intermediate dimension (vLLM's default); the partial outputs
+are summed with one all-reduce. With enable_expert_parallel (tp.expert_parallel) each rank instead holds a
+contiguous range of whole experts (distributed/layout.py's local_experts) and nothing of the others, whose
+checkpoint tensors its placeholders take and drop; every rank routes every token, runs only the (token, expert)
+pairs of its own experts, and the same all-reduce sums the ranks' parts."""
 from __future__ import annotations
 
 import torch
