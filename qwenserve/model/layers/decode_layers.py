@@ -3,15 +3,15 @@ kernels/cpu/decode_layers.cpp): the CPU's stand-in for a captured graph. The cal
 modules would run, in their order, so the results are bit-identical; it saves the Python between them (a sixth of
 a batch-1 step of the bundled model: docs/performance.md, "Decode layers in one call").
 
-It applies where every part of every layer has a kernel: layers whose declared parts (decode_parts) are the ones
-it runs (RUNS, or a mixture-of-experts MLP: MOE_MLP, with SHARED_EXPERT where there is one), with no parameter
-outside them; block-quantized projections that take ggml_mm at the step's rows (every segment a kernel call, no
-input permutation) or FP8 projections that take fp8_mm (no static input scale), experts kept as ggml blocks
-(moe.py's block mode, run by ggml_moe; not the dense experts of a float checkpoint, nor FP8 experts), one
-tensor-parallel rank, a fixed 1-D rotary table (not M-RoPE's [3, T] positions), a KV cache in the run dtype, and a
-step of decode tokens only, none of them under a LoRA adapter. Anything else runs the modules, as does every step
-under enforce_eager. The layers' names are vLLM's (input_layernorm,
-self_attn.qkv_proj, mlp.gate_up_proj, mlp.experts, ...)."""
+It applies where every part of every layer has a kernel: layers whose declared parts (decode_parts) are the ones it
+runs (RUNS, or a mixture-of-experts MLP: MOE_MLP, with SHARED_EXPERT where there is one), with no parameter outside
+them; block-quantized projections that take ggml_mm at the step's rows (every segment a kernel call, no input
+permutation) or FP8 projections that take fp8_mm (no static input scale), experts kept as ggml blocks (moe.py's
+block mode, run by ggml_moe; not the dense experts of a float checkpoint, nor FP8 experts), one tensor-parallel
+rank, a fixed 1-D rotary table (not M-RoPE's [3, T] positions), a KV cache in the run dtype, and a step of decode
+tokens only, none of them under a LoRA adapter. Anything else runs the modules, as does every step under
+enforce_eager. The layers' names are vLLM's (input_layernorm, self_attn.qkv_proj, mlp.gate_up_proj, mlp.experts,
+...)."""
 from __future__ import annotations
 
 import torch
