@@ -3,6 +3,8 @@ ggml_mm (a linear layer on quantized weights, activations quantized per row to q
 float64 reference of the same quantization, and against F.linear on the dequantized weight; every test runs once per
 kernel variant this CPU runs (config/cpu_variants.py), and each variant is checked against the baseline build."""
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -293,12 +295,12 @@ def test_bad_arguments_are_rejected(ops):
 
 
 def test_every_row_count_against_the_reference(ops):
-    """ggml_mm at every activation row count from 1 to 17 (the decode kernels, the 4- and 16-row tiles and their
-    remainders) and a few larger ones, in the file's layout and the decode layout, and ggml_dequantize of every
-    row count, against the float64 reference of the same quantization."""
-    for qtype in TYPES:
+    """ggml_mm at every activation row count from 1 to 17 (the decode kernels, the tiles decoded as they are swept
+    and the tiles decoded once for many rows, and their remainders) and a few larger ones, over 48 weight rows and
+    40 (not a multiple of 16: the 8-row tiles), in the file's layout and the decode layout, and ggml_dequantize of
+    every row count, against the float64 reference of the same quantization."""
+    for qtype, n in itertools.product(TYPES, (48, 40)):
         k = 512 if GGML_QUANT_SIZES[qtype][0] == 256 else 96
-        n = 48
         raw = random_blocks(qtype, n, k, seed=int(qtype) + 321, scale=0.02)
         grouped = GGMLTensor.from_bytes(raw, qtype, (n, k)).grouped().raw
         w = reference_dequant(raw, qtype, k).double()

@@ -139,12 +139,11 @@ void mm_quantized(T* out, int64_t ldo, int64_t levels, const std::vector<typenam
         return;
       }
 #endif
-    if (w.group == kDecodeGroup && M >= x86::kTile16MinRows && N % 16 == 0) {
-      x86::mm_tiles16<Kernel>(out, ldo, levels, act.data(), M, nb, w, N, bias);
-      return;
-    }
     if (w.group == kDecodeGroup && M >= x86::kTileMinRows) {
-      x86::mm_tiles<Kernel>(out, ldo, levels, act.data(), M, nb, w, N, bias);
+      if (N % 16 == 0)
+        x86::mm_tiles16<Kernel>(out, ldo, levels, act.data(), M, nb, w, N, bias);
+      else
+        x86::mm_tiles<Kernel>(out, ldo, levels, act.data(), M, nb, w, N, bias);
       return;
     }
   }

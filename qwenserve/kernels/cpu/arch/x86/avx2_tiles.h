@@ -160,12 +160,13 @@ inline void decode_avx2_tile(const uint8_t* blk, Avx2TileBlock<Kernel>& t) {
 }
 
 // R activation rows (block b of row i at act[i * nb + b]) against one decoded group: res[i][r] = row r . row i
-template <typename Kernel, int R>
-void avx2_tile_rows(const Avx2TileBlock<Kernel>* tile, int64_t nb, const ActQ8_0* act, float (*res)[8]) {
+template <typename Kernel, int R, typename TileOf>
+std::enable_if_t<Kernel::kBlock == 32> avx2_tile_rows(TileOf tile_of, int64_t nb, const ActQ8_0* act,
+                                                      float (*res)[8]) {
   __m256 acc[R];
   for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const Avx2TileBlock<Kernel>& t = tile[b];
+    const Avx2TileBlock<Kernel>& t = tile_of(b);
     for (int i = 0; i < R; ++i) {
       const ActQ8_0& a = act[i * nb + b];
       __m256i s = _mm256_add_epi32(_mm256_set1_epi32(-kAvx2TileOffset<Kernel> * a.sum),
@@ -268,12 +269,13 @@ inline __m256 finish_avx2_superblock(const Avx2TileSuperBlock& t, const ActQ8_K&
 
 // R activation rows against decoded super-blocks of 8 rows, 32 codes of each row at a time: their 8 code vectors
 // are loaded once for all R rows
-template <typename Kernel, int R>
-void avx2_tile_rows(const Avx2TileSuperBlock* tile, int64_t nb, const ActQ8_K* act, float (*res)[8]) {
+template <typename Kernel, int R, typename TileOf>
+std::enable_if_t<Kernel::kBlock == 256> avx2_tile_rows(TileOf tile_of, int64_t nb, const ActQ8_K* act,
+                                                       float (*res)[8]) {
   __m256 acc[R];
   for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const Avx2TileSuperBlock& t = tile[b];
+    const Avx2TileSuperBlock& t = tile_of(b);
     __m256i isum[R];
     for (int i = 0; i < R; ++i) isum[i] = _mm256_setzero_si256();
     for (int s = 0; s < 8; ++s) {  // quads 8s .. 8s + 7: a sub-block of 32, or Q6_K's sub-blocks 2s and 2s + 1
@@ -308,28 +310,38 @@ inline void with_avx2_tile_rows(int r, F f) {
   }
 }
 
-// the next group's bytes into L2 while this group's sweeps compute (a decode step streams the weights from memory)
-inline void prefetch_avx2_group(const uint8_t* p, int64_t bytes) {
-  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T1);
-}
-
-// out[M, N] from weights in the decode layout, a group of 8 rows at a time: decoded once (a few KiB per group),
-// then swept by the activation rows kAvx2TileRows at a time
+// out[M, N] from weights in the decode layout, a group of 8 rows at a time. Up to kAvx2TileRows activation rows
+// take one sweep, each block decoded as it is swept into a tile that stays in L1; more rows decode the whole group
+// once (a few KiB) and sweep it kAvx2TileRows rows at a time. Either way block b of the next group is asked into L2
+// as block b of this one is decoded (a decode step streams the weights from memory).
 template <typename Kernel, typename T>
 void mm_avx2_tiles(T* out, int64_t ldo, int64_t levels, const typename Kernel::Act* act, int64_t M, int64_t nb,
                    const Layout& w, int64_t N, const float* bias) {
   using Tile = std::conditional_t<Kernel::kBlock == 256, Avx2TileSuperBlock, Avx2TileBlock<Kernel>>;
   at::parallel_for(0, N / 8, 1, [&](int64_t g0, int64_t g1) {
-    std::vector<Tile> tile(static_cast<size_t>(nb));
+    std::vector<Tile> tile(M <= kAvx2TileRows ? 1 : static_cast<size_t>(nb));
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* group = w.row(8 * g);
-      for (int64_t b = 0; b < nb; ++b) decode_avx2_tile<Kernel>(group + b * 8 * Kernel::kBytes, tile[b]);
-      if (g + 1 < g1) prefetch_avx2_group(w.row(8 * (g + 1)), 8 * w.ld);
+      const bool more = g + 1 < g1;
+      auto decoded = [&](int64_t b, Tile& t) -> const Tile& {
+        const int64_t at = b * 8 * Kernel::kBytes;
+        if (more) prefetch_block(group + 8 * w.ld + at, 8 * Kernel::kBytes);
+        decode_avx2_tile<Kernel>(group + at, t);
+        return t;
+      };
+      float res[kAvx2TileRows][8];
+      if (M <= kAvx2TileRows) {
+        auto tile_of = [&](int64_t b) -> const Tile& { return decoded(b, tile[0]); };
+        with_avx2_tile_rows(static_cast<int>(M),
+                            [&](auto rows) { avx2_tile_rows<Kernel, rows()>(tile_of, nb, act, res); });
+        store_rows<8>(out, ldo, levels, 0, static_cast<int>(M), 8 * g, res[0], bias);
+        continue;
+      }
+      for (int64_t b = 0; b < nb; ++b) decoded(b, tile[b]);
+      auto tile_of = [&](int64_t b) -> const Tile& { return tile[b]; };
       for (int64_t m0 = 0; m0 < M; m0 += kAvx2TileRows) {
         const int r = static_cast<int>(std::min<int64_t>(kAvx2TileRows, M - m0));
-        float res[kAvx2TileRows][8];
-        const typename Kernel::Act* a = act + m0 * nb;
-        with_avx2_tile_rows(r, [&](auto rows) { avx2_tile_rows<Kernel, rows()>(tile.data(), nb, a, res); });
+        with_avx2_tile_rows(r, [&](auto rows) { avx2_tile_rows<Kernel, rows()>(tile_of, nb, act + m0 * nb, res); });
         store_rows<8>(out, ldo, levels, m0, r, 8 * g, res[0], bias);
       }
     }

@@ -1,6 +1,6 @@
-// The ggml tile kernels (AVX512-VNNI): for many activation rows (batched decode, prefill) a group of 8 or 16
-// weight rows in the decode layout is decoded once per call into vectors that vpdpbusd takes as they are, then
-// swept by all activation rows (mm_tiles, mm_tiles16); below kTileMinRows rows the decode kernels (avx2.h,
+// The ggml tile kernels (AVX512-VNNI): for several activation rows (batched decode, speculative verify, prefill) a
+// group of 16 (or 8) weight rows in the decode layout is decoded into vectors that vpdpbusd takes as they are,
+// then swept by all activation rows (mm_tiles16, mm_tiles); below kTileMinRows rows the decode kernels (avx2.h,
 // avx512.h) stream the weights faster.
 #pragma once
 
@@ -61,6 +61,12 @@ inline __m512i pair_of(__m256i r0, __m256i r1) {
   return _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));
 }
 
+// the fp16 at p + r * ld for r = 0..7, as floats in lanes 2r and 2r + 1
+inline __m512 fp16x8_twice(const uint8_t* p, int64_t ld) {
+  const __m512i twice = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  return _mm512_permutexvar_ps(twice, _mm512_castps256_ps512(fp16x8(p, ld)));
+}
+
 template <typename Kernel>
 inline void decode_tile_block(const uint8_t* blk, TileBlock& t) {
   __m512i pair[4];  // rows 2p and 2p + 1, as pair_codes lays them out
@@ -73,11 +79,9 @@ inline void decode_tile_block(const uint8_t* blk, TileBlock& t) {
     }
   }
   interleave_rows(pair, t.codes);
-  const __m512i twice = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-  t.scale = _mm512_permutexvar_ps(twice, _mm512_castps256_ps512(fp16x8(blk + Kernel::kScaleAt, Kernel::kBytes)));
+  t.scale = fp16x8_twice(blk + Kernel::kScaleAt, Kernel::kBytes);
   if constexpr (Kernel::kHasMinTerm)
-    t.min = _mm512_maskz_permutexvar_ps(0x5555, twice,
-                                        _mm512_castps256_ps512(fp16x8(blk + Kernel::kMinScaleAt, Kernel::kBytes)));
+    t.min = _mm512_maskz_mov_ps(0x5555, fp16x8_twice(blk + Kernel::kMinScaleAt, Kernel::kBytes));
 }
 
 // Q4_K, Q5_K and Q6_K the same way, a super-block (256 weights) of 8 rows at a time: 32 code vectors as above, and
@@ -92,65 +96,125 @@ struct TileSuperBlock {
   __m512 d, dmin;                      // lanes 2r, 2r + 1: row r's d (dmin: Q4_K, Q5_K)
 };
 
-// One row's super-block as both K-quant tile layouts take it: 8 chunks of 32 codes (sub-blocks of 32, or two of
-// Q6_K's 16 each), the sub-block scales, the int16 pairs vpdpwssd takes (pair p: the mins, or Q6_K's scales, 2p and
-// 2p + 1; Q4_K / Q5_K's pairs 4..7 zero), d and dmin
-struct SuperBlockRow {
-  __m256i chunk[8];
-  int32_t scales[16];  // Q4_K, Q5_K: the first 8
-  int32_t pairs[8];
-  float d, dmin;
-};
-
+// Each 8 rows' scale bytes in dwords, 4 rows a vector (row r at dword 4 (r % 4) + i of vector r / 4): Q4_K, Q5_K's
+// unpacked scales (dwords 0, 1) and mins (2, 3) as unsigned bytes, Q6_K's 16 signed scales as they lie.
 template <typename Kernel>
-inline SuperBlockRow decode_superblock_row(const uint8_t* rb) {
-  SuperBlockRow row;
-  const typename Avx2Kernel<Kernel>::Codes c = Avx2Kernel<Kernel>::decode(rb);
-  int32_t pair_values[16] = {};  // Q6_K's 16 scales, or the 8 mins
-  if constexpr (std::is_same_v<Kernel, Q6_KKernel>) {
-    for (int i = 0; i < 8; ++i) row.chunk[i] = c.q[i];
-    for (int j = 0; j < 16; ++j) pair_values[j] = row.scales[j] = static_cast<int8_t>(rb[192 + j]);
-    row.d = fp16_at(rb + 208);
-    row.dmin = 0.0f;
-  } else {
-    for (int k = 0; k < 4; ++k) {
-      row.chunk[2 * k] = c.lo[k];
-      row.chunk[2 * k + 1] = c.hi[k];
+inline void scale_dwords_8rows(const uint8_t* blk, __m512i* four_rows) {
+  for (int h = 0; h < 2; ++h) {
+    const uint8_t* rows = blk + 4 * h * Kernel::kBytes;
+    if constexpr (std::is_same_v<Kernel, Q6_KKernel>) {
+      auto at = [&](int r) {
+        return _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + r * Kernel::kBytes + 192));
+      };
+      __m512i z = _mm512_castsi128_si512(at(0));
+      z = _mm512_inserti32x4(z, at(1), 1);
+      z = _mm512_inserti32x4(z, at(2), 2);
+      four_rows[h] = _mm512_inserti32x4(z, at(3), 3);
+    } else {
+      four_rows[h] = kquant512::unpack_scales_4rows(rows, Kernel::kBytes);
     }
-    for (int j = 0; j < 8; ++j) {
-      row.scales[j] = c.scales[j];
-      pair_values[j] = c.scales[8 + j];
-    }
-    row.d = fp16_at(rb);
-    row.dmin = fp16_at(rb + 2);
   }
-  for (int p = 0; p < 8; ++p)
-    row.pairs[p] = static_cast<int32_t>((static_cast<uint32_t>(pair_values[2 * p]) & 0xFFFFu) |
-                                        (static_cast<uint32_t>(pair_values[2 * p + 1]) << 16));
-  return row;
+}
+
+// dword i of rows 0-7 (from scale_dwords_8rows' two vectors) -> lane l = that dword of row row_of_lane[l]
+inline __m512i pick_dword(const __m512i* four_rows, const int (&row_of_lane)[16], int i) {
+  alignas(64) int32_t index[16];
+  for (int l = 0; l < 16; ++l) index[l] = (row_of_lane[l] < 4 ? 0 : 16) + 4 * (row_of_lane[l] % 4) + i;
+  return _mm512_permutex2var_epi32(four_rows[0], _mm512_load_si512(index), four_rows[1]);
+}
+
+// byte b of every dword as an int32, zero- or sign-extended
+template <bool Signed>
+inline __m512i byte_of_dwords(__m512i v, int b) {
+  if constexpr (Signed) return _mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * b), 24);
+  return _mm512_and_si512(_mm512_srli_epi32(v, 8 * b), _mm512_set1_epi32(0xFF));
+}
+
+// bytes 0 and 1 of every dword as an int16 pair (low, high), zero- or sign-extended
+template <bool Signed>
+inline __m512i int16_pair_of_dwords(__m512i v) {
+  if constexpr (Signed)
+    return _mm512_or_si512(_mm512_and_si512(_mm512_srai_epi16(_mm512_slli_epi16(v, 8), 8), _mm512_set1_epi32(0xFFFF)),
+                           _mm512_slli_epi32(_mm512_srai_epi16(v, 8), 16));
+  return _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi32(0xFF)),
+                         _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0xFF00)), 8));
+}
+
+// The K-quants' 32-code chunks (chunk c: weights 32c .. 32c + 31) from packed bytes, each decoded in whatever
+// layout `bytes` returns them in (rows transposed into lanes), so a chunk of 8 or 16 rows costs a few vector ops:
+// bytes(offset) transposes the rows' 32 bytes at that offset into Width code vectors, and emit(c, v) takes chunk c.
+// Q4_K / Q5_K: the low and high nibbles of qs[32k ..] are chunks 2k and 2k + 1, Q5_K's fifth bit of chunk c is bit
+// c of qh[l]. Q6_K: half n's ql[64n ..] nibbles and qh[32n ..] bit pairs 0-1, 2-3, 4-5, 6-7 give chunks 4n .. 4n + 3
+// (ggml's dequantize_row_q6_K order).
+template <typename Kernel, int Width, typename Bytes, typename Emit>
+inline void decode_chunks(Bytes bytes, Emit emit) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  auto nibble = [&](__m512i v, int high) { return _mm512_and_si512(high ? _mm512_srli_epi16(v, 4) : v, low4); };
+  __m512i v[Width], lo[Width], hi[Width];
+  if constexpr (std::is_same_v<Kernel, Q6_KKernel>) {
+    const __m512i low2 = _mm512_set1_epi8(0x03);
+    for (int n = 0; n < 2; ++n) {
+      __m512i qh[Width];
+      bytes(128 + 32 * n, qh);
+      bytes(64 * n, lo);
+      bytes(64 * n + 32, hi);
+      for (int q = 0; q < 4; ++q) {
+        const __m512i* ql = q % 2 ? hi : lo;
+        for (int j = 0; j < Width; ++j) {
+          const __m512i top = _mm512_and_si512(_mm512_srli_epi16(qh[j], 2 * q), low2);
+          v[j] = _mm512_or_si512(nibble(ql[j], q / 2), _mm512_slli_epi16(top, 4));
+        }
+        emit(4 * n + q, v);
+      }
+    }
+  } else {
+    __m512i qh[Width];
+    if constexpr (Kernel::kType == kQ5_K) bytes(16, qh);
+    for (int k = 0; k < 4; ++k) {
+      bytes(Kernel::kQs + 32 * k, v);
+      for (int half = 0; half < 2; ++half) {
+        const int c = 2 * k + half;
+        for (int j = 0; j < Width; ++j) {
+          lo[j] = nibble(v[j], half);
+          if constexpr (Kernel::kType == kQ5_K)  // nibbles have no bit 4: adding it sets it
+            lo[j] = _mm512_mask_add_epi8(lo[j], _mm512_test_epi8_mask(qh[j], _mm512_set1_epi8(char(1 << c))), lo[j],
+                                         _mm512_set1_epi8(0x10));
+        }
+        emit(c, lo);
+      }
+    }
+  }
+}
+
+// 8 rows' 32 bytes at p + r * stride -> out[j]: qword r = row r's bytes 8j .. 8j + 7
+inline void transpose_8x32(const uint8_t* p, int64_t stride, __m512i* out) {
+  __m512i pair[4];
+  for (int q = 0; q < 4; ++q) pair[q] = pair_of(load32(p + 2 * q * stride), load32(p + (2 * q + 1) * stride));
+  interleave_rows(pair, out);
 }
 
 template <typename Kernel>
 inline void decode_tile_block(const uint8_t* blk, TileSuperBlock& t) {
-  constexpr int kScales = std::is_same_v<Kernel, Q6_KKernel> ? 16 : 8;
-  __m256i chunk[8][8];  // row, 32-code chunk
-  alignas(32) float d[8], dmin[8];
-  for (int r = 0; r < 8; ++r) {
-    const SuperBlockRow row = decode_superblock_row<Kernel>(blk + r * Kernel::kBytes);
-    for (int c = 0; c < 8; ++c) chunk[r][c] = row.chunk[c];
-    for (int j = 0; j < kScales; ++j) t.scales[j][2 * r] = t.scales[j][2 * r + 1] = row.scales[j];
-    for (int p = 0; p < 8; ++p) t.pairs[p / 2][2 * r + p % 2] = row.pairs[p];  // lane 2r + t of u: pair 2u + t
-    d[r] = row.d;
-    dmin[r] = row.dmin;
+  constexpr bool kQ6 = std::is_same_v<Kernel, Q6_KKernel>;
+  decode_chunks<Kernel, 4>([&](int offset, __m512i* out) { transpose_8x32(blk + offset, Kernel::kBytes, out); },
+                           [&](int c, const __m512i* v) {
+                             for (int j = 0; j < 4; ++j) t.codes[4 * c + j] = v[j];
+                           });
+  __m512i four_rows[2];
+  scale_dwords_8rows<Kernel>(blk, four_rows);
+  static constexpr int kRowOfLane[16] = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7};  // lanes 2r, 2r + 1
+  for (int i = 0; i < (kQ6 ? 4 : 2); ++i) {  // the scales' dwords
+    const __m512i dw = pick_dword(four_rows, kRowOfLane, i);
+    for (int b = 0; b < 4; ++b) _mm512_store_si512(t.scales[4 * i + b], byte_of_dwords<kQ6>(dw, b));
   }
-  for (int c = 0; c < 8; ++c) {
-    const __m512i pair[4] = {pair_of(chunk[0][c], chunk[1][c]), pair_of(chunk[2][c], chunk[3][c]),
-                             pair_of(chunk[4][c], chunk[5][c]), pair_of(chunk[6][c], chunk[7][c])};
-    interleave_rows(pair, t.codes + 4 * c);
-  }
-  const __m512i twice = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-  t.d = _mm512_permutexvar_ps(twice, _mm512_castps256_ps512(_mm256_load_ps(d)));
-  t.dmin = _mm512_permutexvar_ps(twice, _mm512_castps256_ps512(_mm256_load_ps(dmin)));
+  // pair u, lane 2r + t: values 4u + 2t, 4u + 2t + 1 of row r (the mins from dword 2, or Q6_K's scales)
+  const __m512i odd_lanes_high = _mm512_setr_epi32(0, 16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16);
+  for (int u = 0; u < (kQ6 ? 4 : 2); ++u)
+    _mm512_store_si512(t.pairs[u], int16_pair_of_dwords<kQ6>(
+                                       _mm512_srlv_epi32(pick_dword(four_rows, kRowOfLane, (kQ6 ? 0 : 2) + u),
+                                                         odd_lanes_high)));
+  t.d = fp16x8_twice(blk + Kernel::kScaleAt, Kernel::kBytes);
+  t.dmin = kQ6 ? _mm512_setzero_ps() : fp16x8_twice(blk + Kernel::kMinScaleAt, Kernel::kBytes);
 }
 
 // 8 or 4 activation codes from p in every qword or dword of a vector (the sweeps' broadcast operand)
@@ -227,13 +291,13 @@ inline __m512 add_scaled_block(__m512 acc, __m512i sums, const Tile& t, const Ac
 
 // R activation rows (block b of row i at act[i * nb + b], its starting value at start[i * nb + b]) against one
 // decoded group: res[i][r] = row r . activation row i
-template <typename Kernel, int R, typename Tile>
-void tile_rows(const Tile* tile, int64_t nb, const typename Kernel::Act* act, const int64_t* start,
+template <typename Kernel, int R, typename TileOf>
+void tile_rows(TileOf tile_of, int64_t nb, const typename Kernel::Act* act, const int64_t* start,
                float (*res)[8]) {
   __m512 acc[R];
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const Tile& t = tile[b];
+    const auto& t = tile_of(b);
     if constexpr (Kernel::kBlock == 256) {
       superblock_rows<Kernel, R>(t, act + b, nb, acc);
     } else {
@@ -284,6 +348,12 @@ inline void transpose_16x8(const __m256i* rows, __m512i* out) {
   }
 }
 
+// the fp16 at offset `at` of the 8 rows of g0 (lanes 0-7) and of g1 (lanes 8-15), rows ld bytes apart
+inline __m512 fp16x16(const uint8_t* g0, const uint8_t* g1, int64_t at, int64_t ld) {
+  const __m256 lo = fp16x8(g0 + at, ld), hi = fp16x8(g1 + at, ld);
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
+}
+
 // rows: 16 weight rows' block b, rows 0-7 from one group of the decode layout and 8-15 from the next
 template <typename Kernel>
 inline void decode_tile_block16(const uint8_t* g0, const uint8_t* g1, TileBlock16& t) {
@@ -296,20 +366,18 @@ inline void decode_tile_block16(const uint8_t* g0, const uint8_t* g1, TileBlock1
       rows[r] = Avx2Kernel<Kernel>::decode(blk).q;
   }
   transpose_16x8(rows, t.codes);
-  auto both = [](__m256 lo, __m256 hi) {
-    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
-  };
-  t.scale = both(fp16x8(g0 + Kernel::kScaleAt, Kernel::kBytes), fp16x8(g1 + Kernel::kScaleAt, Kernel::kBytes));
+  t.scale = fp16x16(g0, g1, Kernel::kScaleAt, Kernel::kBytes);
   if constexpr (Kernel::kHasMinTerm)
-    t.min = both(fp16x8(g0 + Kernel::kMinScaleAt, Kernel::kBytes), fp16x8(g1 + Kernel::kMinScaleAt, Kernel::kBytes));
+    t.min = fp16x16(g0, g1, Kernel::kMinScaleAt, Kernel::kBytes);
 }
 
-template <typename Kernel, int R>
-void tile16_rows(const TileBlock16* tile, int64_t nb, const ActQ8_0* act, float (*res)[16]) {
+template <typename Kernel, int R, typename TileOf>
+std::enable_if_t<std::is_same_v<typename Kernel::Act, ActQ8_0>> tile16_rows(TileOf tile_of, int64_t nb,
+                                                                           const ActQ8_0* act, float (*res)[16]) {
   __m512 acc[R];
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const TileBlock16& t = tile[b];
+    const TileBlock16& t = tile_of(b);
     for (int i = 0; i < R; ++i) {
       const ActQ8_0& a = act[i * nb + b];
       // two chains of dot products, not one of 8: Q5_0 [9728, 896] at 32 / 512 rows 0.541-0.561 / 6.86-7.15 ms
@@ -342,22 +410,33 @@ struct TileSuperBlock16 {
 template <typename Kernel>
 inline void decode_tile_block16(const uint8_t* g0, const uint8_t* g1, TileSuperBlock16& t) {
   constexpr bool kQ6 = std::is_same_v<Kernel, Q6_KKernel>;
-  __m256i chunk[8][16];  // 32-code chunk, row
-  alignas(64) int32_t scales[16][16], pairs[8][16];
-  alignas(64) float d[16], dmin[16];
-  for (int r = 0; r < 16; ++r) {
-    const SuperBlockRow row = decode_superblock_row<Kernel>((r < 8 ? g0 : g1) + (r % 8) * Kernel::kBytes);
-    for (int c = 0; c < 8; ++c) chunk[c][r] = row.chunk[c];
-    for (int j = 0; j < (kQ6 ? 16 : 8); ++j) scales[j][r] = row.scales[j];
-    for (int p = 0; p < 8; ++p) pairs[p][r] = row.pairs[p];
-    d[r] = row.d;
-    dmin[r] = row.dmin;
+  auto row = [&](int r) { return (r < 8 ? g0 : g1) + (r % 8) * Kernel::kBytes; };
+  decode_chunks<Kernel, 8>(
+      [&](int offset, __m512i* out) {
+        __m256i rows[16];
+        for (int r = 0; r < 16; ++r) rows[r] = load32(row(r) + offset);
+        transpose_16x8(rows, out);
+      },
+      [&](int c, const __m512i* v) {
+        for (int q = 0; q < 8; ++q) t.codes[8 * c + q] = v[q];
+      });
+  // lanes 0-7 from g0's rows, 8-15 from g1's
+  __m512i first[2], second[2];
+  scale_dwords_8rows<Kernel>(g0, first);
+  scale_dwords_8rows<Kernel>(g1, second);
+  static constexpr int kRowOfLane[16] = {0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7};
+  auto dword = [&](int i) {
+    return _mm512_mask_blend_epi32(0xFF00, pick_dword(first, kRowOfLane, i), pick_dword(second, kRowOfLane, i));
+  };
+  for (int i = 0; i < (kQ6 ? 4 : 2); ++i) {
+    const __m512i dw = dword(i);
+    for (int b = 0; b < 4; ++b) t.scales[4 * i + b] = byte_of_dwords<kQ6>(dw, b);
   }
-  for (int c = 0; c < 8; ++c) transpose_16x8(chunk[c], t.codes + 8 * c);
-  for (int j = 0; j < (kQ6 ? 16 : 8); ++j) t.scales[j] = _mm512_load_si512(scales[j]);
-  for (int u = 0; u < (kQ6 ? 8 : 4); ++u) t.pairs[u] = _mm512_load_si512(pairs[u]);
-  t.d = _mm512_load_ps(d);
-  t.dmin = _mm512_load_ps(dmin);
+  // pair u, lane r: values 2u, 2u + 1 of row r (the mins from dword 2, or Q6_K's scales)
+  for (int u = 0; u < (kQ6 ? 8 : 4); ++u)
+    t.pairs[u] = int16_pair_of_dwords<kQ6>(_mm512_srli_epi32(dword((kQ6 ? 0 : 2) + u / 2), 16 * (u % 2)));
+  t.d = fp16x16(g0, g1, Kernel::kScaleAt, Kernel::kBytes);
+  t.dmin = kQ6 ? _mm512_setzero_ps() : fp16x16(g0, g1, Kernel::kMinScaleAt, Kernel::kBytes);
 }
 
 // A super-block of 16 rows against one activation row, once its sub-blocks' scaled sums are in isum: the mins (or
@@ -384,12 +463,13 @@ inline __m512 finish_superblock16(const TileSuperBlock16& t, const ActQ8_K& a, _
 // reloading all 64 code vectors of a super-block made two loads per vpdpbusd, the limit at 600-700 GFLOP/s (the
 // 32-blocks, whose 8 vectors a block fit in registers, reach 1100-1250). The integer sums are the same, so are the
 // results, bit for bit.
-template <typename Kernel, int R>
-void tile16_rows(const TileSuperBlock16* tile, int64_t nb, const ActQ8_K* act, float (*res)[16]) {
+template <typename Kernel, int R, typename TileOf>
+std::enable_if_t<std::is_same_v<typename Kernel::Act, ActQ8_K>> tile16_rows(TileOf tile_of, int64_t nb,
+                                                                           const ActQ8_K* act, float (*res)[16]) {
   __m512 acc[R];
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const TileSuperBlock16& t = tile[b];
+    const TileSuperBlock16& t = tile_of(b);
     __m512i isum[R];
     for (int i = 0; i < R; ++i) isum[i] = _mm512_setzero_si512();
     for (int s = 0; s < 8; ++s) {  // quads 8s .. 8s + 7: a sub-block of 32, or Q6_K's sub-blocks 2s and 2s + 1
@@ -452,43 +532,51 @@ inline void with_tile_rows(int r, F f) {
   }
 }
 
-// The next group's bytes into L2 while this group's sweeps compute: with the weights coming from memory (a decode
-// step streams the whole model) a thread otherwise waits for each group before it computes, and computes before
-// it asks for the next. Weights beyond the L3, 32 activation rows, 2 threads: Q5_0 [9728, 896] 0.66 -> 0.57 ms,
-// the Q8_0 LM head [151936, 896] 11.2-11.7 -> 8.9 ms; the 8-row K-quant tiles unchanged (Q6_K [896, 4864] 0.66).
-inline void prefetch_group(const uint8_t* p, int64_t bytes) {
-  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T1);
-}
-
-// mm_tiles' 16-row form (N a multiple of 16, kTile16MinRows rows or more): TileBlock16 for the 32-blocks,
-// TileSuperBlock16 for the K-quants
-constexpr int64_t kTile16MinRows = 16;
+// out[M, N] (N a multiple of 16) from weights in the decode layout, 16 rows at a time (TileBlock16 for the
+// 32-blocks, TileSuperBlock16 for the K-quants). Up to kTileRows activation rows take one sweep, each block decoded
+// as it is swept into a tile that stays in L1; more rows decode the whole group once (a few KiB per block) and sweep
+// it kTileRows rows at a time. Either way block b of the next group is asked into L2 as block b of this one is
+// decoded. Decoding as they sweep, 4-16 rows of weights streamed from memory take 0.5-0.8x the time that decoding
+// first took (docs/performance.md, few rows).
 
 template <typename Kernel, typename T>
 void mm_tiles16(T* out, int64_t ldo, int64_t levels, const typename Kernel::Act* act, int64_t M, int64_t nb,
                 const Layout& w, int64_t N, const float* bias) {
   using Tile = std::conditional_t<Kernel::kBlock == 256, TileSuperBlock16, TileBlock16>;
   at::parallel_for(0, N / 16, 1, [&](int64_t g0, int64_t g1) {
-    std::vector<Tile> tile(static_cast<size_t>(nb));
+    std::vector<Tile> tile(M <= kTileRows ? 1 : static_cast<size_t>(nb));
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* first = w.row(16 * g);
       const uint8_t* second = w.row(16 * g + 8);
-      for (int64_t b = 0; b < nb; ++b)
-        decode_tile_block16<Kernel>(first + b * 8 * Kernel::kBytes, second + b * 8 * Kernel::kBytes, tile[b]);
-      if (g + 1 < g1) prefetch_group(w.row(16 * (g + 1)), 16 * w.ld);
+      const bool more = g + 1 < g1;
+      auto decoded = [&](int64_t b, Tile& t) -> const Tile& {
+        const int64_t at = b * 8 * Kernel::kBytes;
+        if (more) {
+          prefetch_block(first + 16 * w.ld + at, 8 * Kernel::kBytes);
+          prefetch_block(second + 16 * w.ld + at, 8 * Kernel::kBytes);
+        }
+        decode_tile_block16<Kernel>(first + at, second + at, t);
+        return t;
+      };
+      float res[kTileRows][16];
+      if (M <= kTileRows) {
+        auto tile_of = [&](int64_t b) -> const Tile& { return decoded(b, tile[0]); };
+        with_tile_rows(static_cast<int>(M), [&](auto rows) { tile16_rows<Kernel, rows()>(tile_of, nb, act, res); });
+        store_rows<16>(out, ldo, levels, 0, static_cast<int>(M), 16 * g, res[0], bias);
+        continue;
+      }
+      for (int64_t b = 0; b < nb; ++b) decoded(b, tile[b]);
+      auto tile_of = [&](int64_t b) -> const Tile& { return tile[b]; };
       for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
         const int r = static_cast<int>(std::min<int64_t>(kTileRows, M - m0));
-        float res[kTileRows][16];
-        const typename Kernel::Act* a = act + m0 * nb;
-        with_tile_rows(r, [&](auto rows) { tile16_rows<Kernel, rows()>(tile.data(), nb, a, res); });
+        with_tile_rows(r, [&](auto rows) { tile16_rows<Kernel, rows()>(tile_of, nb, act + m0 * nb, res); });
         store_rows<16>(out, ldo, levels, m0, r, 16 * g, res[0], bias);
       }
     }
   });
 }
 
-// out[M, N] from weights in the decode layout, a group of 8 rows at a time: decoded once (tile_block's layout,
-// a few KiB per group), then swept by the activation rows kTileRows at a time
+// mm_tiles16 for N not a multiple of 16: a group of 8 rows at a time, in the 8-row tiles (TileBlock, TileSuperBlock)
 template <typename Kernel, typename T>
 void mm_tiles(T* out, int64_t ldo, int64_t levels, const typename Kernel::Act* act, int64_t M, int64_t nb,
               const Layout& w, int64_t N, const float* bias) {
@@ -499,17 +587,31 @@ void mm_tiles(T* out, int64_t ldo, int64_t levels, const typename Kernel::Act* a
     for (int64_t k = 0; k < M * nb; ++k) start[k] = tile_start(act[k], kTileOffset<Kernel>);
   }
   at::parallel_for(0, N / 8, 1, [&](int64_t g0, int64_t g1) {
-    std::vector<Tile> tile(static_cast<size_t>(nb));
+    std::vector<Tile> tile(M <= kTileRows ? 1 : static_cast<size_t>(nb));
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* group = w.row(8 * g);
-      for (int64_t b = 0; b < nb; ++b) decode_tile_block<Kernel>(group + b * 8 * Kernel::kBytes, tile[b]);
-      if (g + 1 < g1) prefetch_group(w.row(8 * (g + 1)), 8 * w.ld);
+      const bool more = g + 1 < g1;
+      auto decoded = [&](int64_t b, Tile& t) -> const Tile& {
+        const int64_t at = b * 8 * Kernel::kBytes;
+        if (more) prefetch_block(group + 8 * w.ld + at, 8 * Kernel::kBytes);
+        decode_tile_block<Kernel>(group + at, t);
+        return t;
+      };
+      float res[kTileRows][8];
+      const int64_t* st = start.empty() ? nullptr : start.data();
+      if (M <= kTileRows) {
+        auto tile_of = [&](int64_t b) -> const Tile& { return decoded(b, tile[0]); };
+        with_tile_rows(static_cast<int>(M), [&](auto rows) { tile_rows<Kernel, rows()>(tile_of, nb, act, st, res); });
+        store_rows<8>(out, ldo, levels, 0, static_cast<int>(M), 8 * g, res[0], bias);
+        continue;
+      }
+      for (int64_t b = 0; b < nb; ++b) decoded(b, tile[b]);
+      auto tile_of = [&](int64_t b) -> const Tile& { return tile[b]; };
       for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
         const int r = static_cast<int>(std::min<int64_t>(kTileRows, M - m0));
-        float res[kTileRows][8];
-        const typename Kernel::Act* a = act + m0 * nb;
-        const int64_t* st = start.empty() ? nullptr : start.data() + m0 * nb;
-        with_tile_rows(r, [&](auto rows) { tile_rows<Kernel, rows()>(tile.data(), nb, a, st, res); });
+        with_tile_rows(r, [&](auto rows) {
+          tile_rows<Kernel, rows()>(tile_of, nb, act + m0 * nb, st ? st + m0 * nb : nullptr, res);
+        });
         store_rows<8>(out, ldo, levels, m0, r, 8 * g, res[0], bias);
       }
     }
