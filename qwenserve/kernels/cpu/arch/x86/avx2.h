@@ -57,13 +57,6 @@ inline __m256i fifth_bits32(uint32_t h) {
   return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
 }
 
-// bytes at p into L2. The tile kernels ask for block b of the next group of weight rows as they decode block b
-// of this one: with the weights coming from memory (a decode step streams the whole model) a thread otherwise
-// waits for each group before it computes, and computes before it asks for the next.
-inline void prefetch_block(const uint8_t* p, int64_t bytes) {
-  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T1);
-}
-
 // the fp16 at p + r * ld for r = 0..7, as 8 floats
 inline __m256 fp16x8(const uint8_t* p, int64_t ld) {
   uint16_t h[8];

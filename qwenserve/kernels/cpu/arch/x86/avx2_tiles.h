@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "arch/x86/avx2.h"
+#include "arch/x86/tile_sweeps.h"
 #include "cpu_features.h"
 #include "ggml/common.h"
 
@@ -301,51 +302,17 @@ std::enable_if_t<Kernel::kBlock == 256> avx2_tile_rows(TileOf tile_of, int64_t n
 // ---------------------------------------------------------------------------------------------------------------
 // The driver
 
-// f(std::integral_constant<int, r>) for r = 1..kAvx2TileRows: the sweeps keep a compile-time count of accumulators
-template <typename F, int R = kAvx2TileRows>
-inline void with_avx2_tile_rows(int r, F f) {
-  if constexpr (R >= 1) {
-    if (r == R) return f(std::integral_constant<int, R>{});
-    with_avx2_tile_rows<F, R - 1>(r, f);
-  }
-}
-
-// out[M, N] from weights in the decode layout, a group of 8 rows at a time. Up to kAvx2TileRows activation rows
-// take one sweep, each block decoded as it is swept into a tile that stays in L1; more rows decode the whole group
-// once (a few KiB) and sweep it kAvx2TileRows rows at a time. Either way block b of the next group is asked into L2
-// as block b of this one is decoded (a decode step streams the weights from memory).
+// out[M, N] from weights in the decode layout, a group of 8 rows at a time (sweep_tiles)
 template <typename Kernel, typename T>
 void mm_avx2_tiles(T* out, int64_t ldo, int64_t levels, const typename Kernel::Act* act, int64_t M, int64_t nb,
                    const Layout& w, int64_t N, const float* bias) {
   using Tile = std::conditional_t<Kernel::kBlock == 256, Avx2TileSuperBlock, Avx2TileBlock<Kernel>>;
-  at::parallel_for(0, N / 8, 1, [&](int64_t g0, int64_t g1) {
-    std::vector<Tile> tile(M <= kAvx2TileRows ? 1 : static_cast<size_t>(nb));
-    for (int64_t g = g0; g < g1; ++g) {
-      const uint8_t* group = w.row(8 * g);
-      const bool more = g + 1 < g1;
-      auto decoded = [&](int64_t b, Tile& t) -> const Tile& {
-        const int64_t at = b * 8 * Kernel::kBytes;
-        if (more) prefetch_block(group + 8 * w.ld + at, 8 * Kernel::kBytes);
-        decode_avx2_tile<Kernel>(group + at, t);
-        return t;
-      };
-      float res[kAvx2TileRows][8];
-      if (M <= kAvx2TileRows) {
-        auto tile_of = [&](int64_t b) -> const Tile& { return decoded(b, tile[0]); };
-        with_avx2_tile_rows(static_cast<int>(M),
-                            [&](auto rows) { avx2_tile_rows<Kernel, rows()>(tile_of, nb, act, res); });
-        store_rows<8>(out, ldo, levels, 0, static_cast<int>(M), 8 * g, res[0], bias);
-        continue;
-      }
-      for (int64_t b = 0; b < nb; ++b) decoded(b, tile[b]);
-      auto tile_of = [&](int64_t b) -> const Tile& { return tile[b]; };
-      for (int64_t m0 = 0; m0 < M; m0 += kAvx2TileRows) {
-        const int r = static_cast<int>(std::min<int64_t>(kAvx2TileRows, M - m0));
-        with_avx2_tile_rows(r, [&](auto rows) { avx2_tile_rows<Kernel, rows()>(tile_of, nb, act + m0 * nb, res); });
-        store_rows<8>(out, ldo, levels, m0, r, 8 * g, res[0], bias);
-      }
-    }
-  });
+  sweep_tiles<Tile, 8, kAvx2TileRows, Kernel::kBytes>(
+      out, ldo, levels, M, nb, w, N, bias,
+      [&](const uint8_t* rows, int64_t at, Tile& t) { decode_avx2_tile<Kernel>(rows + at, t); },
+      [&](auto count, const auto& tile_of, int64_t m0, float (*res)[8]) {
+        avx2_tile_rows<Kernel, count()>(tile_of, nb, act + m0 * nb, res);
+      });
 }
 
 }  // namespace qwenserve::cpu::ggml::x86

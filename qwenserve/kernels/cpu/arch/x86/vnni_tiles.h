@@ -14,6 +14,7 @@
 
 #include "arch/x86/avx2.h"
 #include "arch/x86/avx512.h"
+#include "arch/x86/tile_sweeps.h"
 #include "cpu_features.h"
 #include "ggml/common.h"
 
@@ -523,57 +524,21 @@ constexpr bool kTiles<Q6_KKernel> = true;
 constexpr int64_t kTileMinRows = 4;
 constexpr int kTileRows = 16;        // activation rows per pass over a decoded group (their sums stay in registers)
 
-// f(std::integral_constant<int, r>) for r = 1..kTileRows: the sweeps keep a compile-time count of accumulators
-template <typename F, int R = kTileRows>
-inline void with_tile_rows(int r, F f) {
-  if constexpr (R >= 1) {
-    if (r == R) return f(std::integral_constant<int, R>{});
-    with_tile_rows<F, R - 1>(r, f);
-  }
-}
-
-// out[M, N] (N a multiple of 16) from weights in the decode layout, 16 rows at a time (TileBlock16 for the
-// 32-blocks, TileSuperBlock16 for the K-quants). Up to kTileRows activation rows take one sweep, each block decoded
-// as it is swept into a tile that stays in L1; more rows decode the whole group once (a few KiB per block) and sweep
-// it kTileRows rows at a time. Either way block b of the next group is asked into L2 as block b of this one is
-// decoded. Decoding as they sweep, 4-16 rows of weights streamed from memory take 0.5-0.8x the time that decoding
-// first took (docs/performance.md, few rows).
-
+// out[M, N] (N a multiple of 16) from weights in the decode layout, 16 rows at a time: TileBlock16 for the
+// 32-blocks, TileSuperBlock16 for the K-quants. Decoding as they sweep (sweep_tiles), 4-16 rows of weights streamed
+// from memory take 0.5-0.8x the time that decoding first took (docs/performance.md, Kernels).
 template <typename Kernel, typename T>
 void mm_tiles16(T* out, int64_t ldo, int64_t levels, const typename Kernel::Act* act, int64_t M, int64_t nb,
                 const Layout& w, int64_t N, const float* bias) {
   using Tile = std::conditional_t<Kernel::kBlock == 256, TileSuperBlock16, TileBlock16>;
-  at::parallel_for(0, N / 16, 1, [&](int64_t g0, int64_t g1) {
-    std::vector<Tile> tile(M <= kTileRows ? 1 : static_cast<size_t>(nb));
-    for (int64_t g = g0; g < g1; ++g) {
-      const uint8_t* first = w.row(16 * g);
-      const uint8_t* second = w.row(16 * g + 8);
-      const bool more = g + 1 < g1;
-      auto decoded = [&](int64_t b, Tile& t) -> const Tile& {
-        const int64_t at = b * 8 * Kernel::kBytes;
-        if (more) {
-          prefetch_block(first + 16 * w.ld + at, 8 * Kernel::kBytes);
-          prefetch_block(second + 16 * w.ld + at, 8 * Kernel::kBytes);
-        }
-        decode_tile_block16<Kernel>(first + at, second + at, t);
-        return t;
-      };
-      float res[kTileRows][16];
-      if (M <= kTileRows) {
-        auto tile_of = [&](int64_t b) -> const Tile& { return decoded(b, tile[0]); };
-        with_tile_rows(static_cast<int>(M), [&](auto rows) { tile16_rows<Kernel, rows()>(tile_of, nb, act, res); });
-        store_rows<16>(out, ldo, levels, 0, static_cast<int>(M), 16 * g, res[0], bias);
-        continue;
-      }
-      for (int64_t b = 0; b < nb; ++b) decoded(b, tile[b]);
-      auto tile_of = [&](int64_t b) -> const Tile& { return tile[b]; };
-      for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
-        const int r = static_cast<int>(std::min<int64_t>(kTileRows, M - m0));
-        with_tile_rows(r, [&](auto rows) { tile16_rows<Kernel, rows()>(tile_of, nb, act + m0 * nb, res); });
-        store_rows<16>(out, ldo, levels, m0, r, 16 * g, res[0], bias);
-      }
-    }
-  });
+  sweep_tiles<Tile, 16, kTileRows, Kernel::kBytes>(
+      out, ldo, levels, M, nb, w, N, bias,
+      [&](const uint8_t* rows, int64_t at, Tile& t) {
+        decode_tile_block16<Kernel>(rows + at, rows + 8 * w.ld + at, t);
+      },
+      [&](auto count, const auto& tile_of, int64_t m0, float (*res)[16]) {
+        tile16_rows<Kernel, count()>(tile_of, nb, act + m0 * nb, res);
+      });
 }
 
 // mm_tiles16 for N not a multiple of 16: a group of 8 rows at a time, in the 8-row tiles (TileBlock, TileSuperBlock)
@@ -586,36 +551,13 @@ void mm_tiles(T* out, int64_t ldo, int64_t levels, const typename Kernel::Act* a
     start.resize(static_cast<size_t>(M * nb));
     for (int64_t k = 0; k < M * nb; ++k) start[k] = tile_start(act[k], kTileOffset<Kernel>);
   }
-  at::parallel_for(0, N / 8, 1, [&](int64_t g0, int64_t g1) {
-    std::vector<Tile> tile(M <= kTileRows ? 1 : static_cast<size_t>(nb));
-    for (int64_t g = g0; g < g1; ++g) {
-      const uint8_t* group = w.row(8 * g);
-      const bool more = g + 1 < g1;
-      auto decoded = [&](int64_t b, Tile& t) -> const Tile& {
-        const int64_t at = b * 8 * Kernel::kBytes;
-        if (more) prefetch_block(group + 8 * w.ld + at, 8 * Kernel::kBytes);
-        decode_tile_block<Kernel>(group + at, t);
-        return t;
-      };
-      float res[kTileRows][8];
-      const int64_t* st = start.empty() ? nullptr : start.data();
-      if (M <= kTileRows) {
-        auto tile_of = [&](int64_t b) -> const Tile& { return decoded(b, tile[0]); };
-        with_tile_rows(static_cast<int>(M), [&](auto rows) { tile_rows<Kernel, rows()>(tile_of, nb, act, st, res); });
-        store_rows<8>(out, ldo, levels, 0, static_cast<int>(M), 8 * g, res[0], bias);
-        continue;
-      }
-      for (int64_t b = 0; b < nb; ++b) decoded(b, tile[b]);
-      auto tile_of = [&](int64_t b) -> const Tile& { return tile[b]; };
-      for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
-        const int r = static_cast<int>(std::min<int64_t>(kTileRows, M - m0));
-        with_tile_rows(r, [&](auto rows) {
-          tile_rows<Kernel, rows()>(tile_of, nb, act + m0 * nb, st ? st + m0 * nb : nullptr, res);
-        });
-        store_rows<8>(out, ldo, levels, m0, r, 8 * g, res[0], bias);
-      }
-    }
-  });
+  sweep_tiles<Tile, 8, kTileRows, Kernel::kBytes>(
+      out, ldo, levels, M, nb, w, N, bias,
+      [&](const uint8_t* rows, int64_t at, Tile& t) { decode_tile_block<Kernel>(rows + at, t); },
+      [&](auto count, const auto& tile_of, int64_t m0, float (*res)[8]) {
+        tile_rows<Kernel, count()>(tile_of, nb, act + m0 * nb, start.empty() ? nullptr : start.data() + m0 * nb,
+                                   res);
+      });
 }
 
 }  // namespace qwenserve::cpu::ggml::x86
