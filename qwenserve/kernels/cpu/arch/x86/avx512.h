@@ -141,14 +141,19 @@ void dot8_legacy512(const uint8_t* w, int64_t nb, const ActQ8_0* const* y, float
 // this.
 namespace kquant512 {
 
-// rows 0..3 of the 4 at blk (stride bytes apart): their 12 packed scale bytes unpacked (as scales_mins_k) to 16,
-// the 8 scales then the 8 mins, one row per 128-bit lane
-inline __m512i unpack_scales_4rows(const uint8_t* blk, int64_t stride) {
-  auto at = [&](int r) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + r * stride + 4)); };
+// the 16 bytes at p + r * stride for r = 0..3, row r in 128-bit lane r
+inline __m512i bytes16_of_4rows(const uint8_t* p, int64_t stride) {
+  auto at = [&](int r) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + r * stride)); };
   __m512i z = _mm512_castsi128_si512(at(0));
   z = _mm512_inserti32x4(z, at(1), 1);
   z = _mm512_inserti32x4(z, at(2), 2);
-  z = _mm512_inserti32x4(z, at(3), 3);
+  return _mm512_inserti32x4(z, at(3), 3);
+}
+
+// rows 0..3 of the 4 at blk (stride bytes apart): their 12 packed scale bytes unpacked (as scales_mins_k) to 16,
+// the 8 scales then the 8 mins, one row per 128-bit lane
+inline __m512i unpack_scales_4rows(const uint8_t* blk, int64_t stride) {
+  const __m512i z = bytes16_of_4rows(blk + 4, stride);
   const __m512i w0 = _mm512_shuffle_epi32(z, _MM_PERM_AAAA), w1 = _mm512_shuffle_epi32(z, _MM_PERM_BBBB),
                 w2 = _mm512_shuffle_epi32(z, _MM_PERM_CCCC);
   const __m512i low6 = _mm512_set1_epi32(0x3f3f3f3f), low4 = _mm512_set1_epi32(0x0f0f0f0f),

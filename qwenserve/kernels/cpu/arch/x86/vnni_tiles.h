@@ -104,24 +104,17 @@ inline void scale_dwords_8rows(const uint8_t* blk, __m512i* four_rows) {
   for (int h = 0; h < 2; ++h) {
     const uint8_t* rows = blk + 4 * h * Kernel::kBytes;
     if constexpr (std::is_same_v<Kernel, Q6_KKernel>) {
-      auto at = [&](int r) {
-        return _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + r * Kernel::kBytes + 192));
-      };
-      __m512i z = _mm512_castsi128_si512(at(0));
-      z = _mm512_inserti32x4(z, at(1), 1);
-      z = _mm512_inserti32x4(z, at(2), 2);
-      four_rows[h] = _mm512_inserti32x4(z, at(3), 3);
+      four_rows[h] = kquant512::bytes16_of_4rows(rows + 192, Kernel::kBytes);
     } else {
       four_rows[h] = kquant512::unpack_scales_4rows(rows, Kernel::kBytes);
     }
   }
 }
 
-// dword i of rows 0-7 (from scale_dwords_8rows' two vectors) -> lane l = that dword of row row_of_lane[l]
-inline __m512i pick_dword(const __m512i* four_rows, const int (&row_of_lane)[16], int i) {
-  alignas(64) int32_t index[16];
-  for (int l = 0; l < 16; ++l) index[l] = (row_of_lane[l] < 4 ? 0 : 16) + 4 * (row_of_lane[l] % 4) + i;
-  return _mm512_permutex2var_epi32(four_rows[0], _mm512_load_si512(index), four_rows[1]);
+// dword i of rows 0-7 (from scale_dwords_8rows' two vectors) -> lane l = that dword of the row whose dword 0 is
+// at row_dwords[l] of the pair (4 (r % 4), plus 16 for rows 4-7)
+inline __m512i pick_dword(const __m512i* four_rows, __m512i row_dwords, int i) {
+  return _mm512_permutex2var_epi32(four_rows[0], _mm512_add_epi32(row_dwords, _mm512_set1_epi32(i)), four_rows[1]);
 }
 
 // byte b of every dword as an int32, zero- or sign-extended
@@ -203,16 +196,16 @@ inline void decode_tile_block(const uint8_t* blk, TileSuperBlock& t) {
                            });
   __m512i four_rows[2];
   scale_dwords_8rows<Kernel>(blk, four_rows);
-  static constexpr int kRowOfLane[16] = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7};  // lanes 2r, 2r + 1
+  const __m512i row_dwords = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28);  // 2r, 2r + 1
   for (int i = 0; i < (kQ6 ? 4 : 2); ++i) {  // the scales' dwords
-    const __m512i dw = pick_dword(four_rows, kRowOfLane, i);
+    const __m512i dw = pick_dword(four_rows, row_dwords, i);
     for (int b = 0; b < 4; ++b) _mm512_store_si512(t.scales[4 * i + b], byte_of_dwords<kQ6>(dw, b));
   }
   // pair u, lane 2r + t: values 4u + 2t, 4u + 2t + 1 of row r (the mins from dword 2, or Q6_K's scales)
   const __m512i odd_lanes_high = _mm512_setr_epi32(0, 16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16);
   for (int u = 0; u < (kQ6 ? 4 : 2); ++u)
     _mm512_store_si512(t.pairs[u], int16_pair_of_dwords<kQ6>(
-                                       _mm512_srlv_epi32(pick_dword(four_rows, kRowOfLane, (kQ6 ? 0 : 2) + u),
+                                       _mm512_srlv_epi32(pick_dword(four_rows, row_dwords, (kQ6 ? 0 : 2) + u),
                                                          odd_lanes_high)));
   t.d = fp16x8_twice(blk + Kernel::kScaleAt, Kernel::kBytes);
   t.dmin = kQ6 ? _mm512_setzero_ps() : fp16x8_twice(blk + Kernel::kMinScaleAt, Kernel::kBytes);
@@ -425,9 +418,9 @@ inline void decode_tile_block16(const uint8_t* g0, const uint8_t* g1, TileSuperB
   __m512i first[2], second[2];
   scale_dwords_8rows<Kernel>(g0, first);
   scale_dwords_8rows<Kernel>(g1, second);
-  static constexpr int kRowOfLane[16] = {0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7};
+  const __m512i row_dwords = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
   auto dword = [&](int i) {
-    return _mm512_mask_blend_epi32(0xFF00, pick_dword(first, kRowOfLane, i), pick_dword(second, kRowOfLane, i));
+    return _mm512_mask_blend_epi32(0xFF00, pick_dword(first, row_dwords, i), pick_dword(second, row_dwords, i));
   };
   for (int i = 0; i < (kQ6 ? 4 : 2); ++i) {
     const __m512i dw = dword(i);
