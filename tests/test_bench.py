@@ -288,3 +288,50 @@ def test_bench_vl_shapes_and_flop_count(tmp_path):
     with FlopCounterMode(display=False) as counter, torch.inference_mode(), sdpa_kernel(SDPBackend.MATH):
         loaded.model.embed_images(torch.from_numpy(image.pixel_values), [image.grid])
     assert image.grid == (1, 10, 10) and tower_flops(loaded.model.vision, image.grid) == counter.get_total_flops()
+
+
+@pytest.mark.slow
+def test_bench_kernels_and_latency_count_only_the_chosen_experts(ops, tmp_path, capsys):
+    """A MoE GGUF file: bench kernels adds each M's `experts` row (every sparse layer, timed one and in turn), and
+    bench latency puts the bytes a decode step reads beside the measured read bandwidth, the experts' share being
+    k of each layer's stacked experts as the loaded model holds them."""
+    from helpers import save_gguf
+    from test_moe import tiny_moe
+
+    from qwenserve.benchmarks.decode_bytes import gguf_decode_weight_bytes
+    from qwenserve.model.loader.gguf_file import GGUFFile
+    from qwenserve.model.loader.model_loader import LoadedModel
+
+    hf = tiny_moe("qwen3_moe", seed=5, norm_topk_prob=True)  # 3 layers, 6 experts, 2 a token, untied head
+    path = save_gguf(hf, str(tmp_path / "moe.gguf"), quant="Q8_0")
+    assert main(["bench", "kernels", "--model", path, "--dtype", "float32", "--quantization", "gguf",
+                 "--rows", "1", "4", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    experts = [e for e in result["shapes"] if e["layer"] == "experts"]
+    assert [e["M"] for e in experts] == [1, 4]
+    for entry in experts:
+        assert entry["types"] == "Q8_0/Q8_0, 2 of 6" and entry["layers"] == 3, entry
+        assert (entry["out"], entry["in"]) == (64, 32)
+        for variant in ("ours", "ours_in_turn"):
+            assert entry[variant]["ms"] > 0 and entry[variant]["GB/s"] > 0, (entry, variant)
+
+    reads = gguf_decode_weight_bytes(path)
+    stacks = [layer.mlp.experts.blocks for layer in LoadedModel(path, dtype="float32", quantization="gguf")
+              .model.model.own_layers]
+    assert reads["experts"] == sum(2 * (b.gate[0].nbytes + b.down[0].nbytes) for b in stacks)
+    tensors = GGUFFile(path).tensors
+    assert reads["head"] == tensors["output.weight"].nbytes
+    embedding = tensors["token_embd.weight"]
+    assert reads["other"] == sum(t.nbytes for n, t in tensors.items() if "_exps" not in n and n != "output.weight"
+                                 ) - embedding.nbytes + embedding.nbytes // embedding.shape[0]
+    assert reads["total"] == reads["experts"] + reads["head"] + reads["other"]
+
+    assert main(["bench", "latency", "--model", path, "--dtype", "float32", "--quantization", "gguf",
+                 "--kv-cache-memory", "8MiB", "--input-len", "8", "--output-len", "4", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    # K and V of 2 kv heads of 32 over 3 layers, float32, at the mean context of 8 + 4 / 2 tokens
+    assert result["step_read_MB"]["kv"] == round(2 * 3 * 2 * 32 * 4 * 10 / 1e6, 3)
+    assert result["step_read_MB"]["weights"] == round(reads["total"] / 1e6, 3)
+    assert result["read_bandwidth_GBps"] > 0 and result["decode_read_GBps"] > 0
+    assert result["bandwidth_share_pct"] == pytest.approx(  # each figure rounded as printed
+        100 * result["decode_read_GBps"] / result["read_bandwidth_GBps"], rel=0.02, abs=0.06)

@@ -15,6 +15,9 @@ Rows: one per distinct (layer kind, block types, out x in) of the model. Columns
 - `fp8`: FP8 e4m3 codes with a scale per 128x128 block, as Qwen's FP8 checkpoints hold them, on the FP8 linear
   path (fp8_mm for few rows, matmuls on widened slices for many).
 GB/s counts the bytes of weight each variant reads per call (its own format); decode (M=1) is bound by them.
+A mixture of experts' layers add a row `experts` (ours and ours_in_turn only): the layer's experts on their blocks
+(ggml_moe) for M tokens routed to k experts each, chosen uniformly at random as random router weights choose them;
+GB/s counts the chosen experts' bytes (each distinct expert once), GFLOP/s the k experts' three projections.
 `% roof`, from ROOF_MIN_ROWS rows, where the tile kernels run: `ours`' GFLOP/s (2 M N K) over the all-threads roof in
 GOP/s (2 per int8 multiply-add), how far the layer is from what the int8 instructions allow; the roof leaves out
 the weight decoding, scaling and float sums the quantized layers also do."""
@@ -25,10 +28,12 @@ import time
 
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType
 
 from qwenserve.config.engine_config import EngineConfig
 from qwenserve.kernels import cpu_ops_for, use_cpu_kernels
 from qwenserve.model.layers.linear import cpu_weight_packing_available, widened_linear, widening_ops
+from qwenserve.model.layers.moe import FusedExperts, TopKRouter
 from qwenserve.model.layers.quantization.fp8 import ONLINE_BLOCK, fp8_linear, fp8_ops, quantize_blocks
 from qwenserve.model.loader.ggml_tensor import GGMLTensor
 from qwenserve.model.loader.model_loader import load_model
@@ -83,6 +88,39 @@ def weight_shapes(model) -> dict[tuple, list[torch.nn.Module]]:
         kind = name.split(".")[-1]
         shapes.setdefault((kind, _weight_types(module), module.output_size, module.input_size), []).append(module)
     return shapes
+
+
+def expert_layers(model) -> list[tuple[TopKRouter, FusedExperts]]:
+    """Each mixture-of-experts layer's router and experts, where the experts run on their blocks."""
+    return [(m.gate, m.experts) for m in model.modules()
+            if isinstance(getattr(m, "gate", None), TopKRouter) and isinstance(getattr(m, "experts", None),
+                                                                                FusedExperts)
+            and m.experts.blocks is not None]
+
+
+def _expert_entries(layers: list[tuple[TopKRouter, FusedExperts]], rows: tuple[int, ...], dtype) -> list[dict]:
+    """`experts` rows of the table: one layer's experts, and each layer's in turn, at M tokens (module docstring)."""
+    router, experts = layers[0]
+    blocks, k = experts.blocks, router.top_k
+    types = "/".join(GGMLQuantizationType(t).name for t in (blocks.gate_type, blocks.down_type))
+    hidden, inter = blocks.down.shape[1], blocks.gate.shape[1] // (2 if blocks.up is None else 1)  # gate+up fused
+    per_expert = sum(t[0].nbytes for t in (blocks.gate, blocks.up, blocks.down) if t is not None)
+    results = []
+    for m in rows:
+        x = torch.randn(m, hidden).to(dtype)
+        ids = torch.rand(m, experts.num_experts).topk(k, dim=-1).indices
+        weights = torch.softmax(torch.randn(m, k), dim=-1).to(dtype)
+        nbytes = per_expert * ids.unique().numel()
+        turn = itertools.cycle(e for _, e in layers)
+        calls = {"ours": lambda: experts(x, weights, ids), "ours_in_turn": lambda: next(turn)(x, weights, ids)}
+        entry = {"layer": "experts", "types": f"{types}, {k} of {experts.num_experts}", "out": hidden,
+                 "in": inter, "M": m, "layers": len(layers)}
+        for name, fn in calls.items():
+            seconds = timed(fn)
+            entry[name] = {"ms": _figure(seconds * 1e3), "GB/s": _figure(nbytes / seconds / 1e9),
+                           "GFLOP/s": _figure(2 * m * k * 3 * hidden * inter / seconds / 1e9)}
+        results.append(entry)
+    return results
 
 
 def _weight_types(module) -> str:
@@ -170,6 +208,8 @@ def bench_kernels(config: EngineConfig, rows: tuple[int, ...] = ROWS) -> dict:
                 if roof is not None and m >= ROOF_MIN_ROWS:
                     entry["% roof"] = _figure(100 * entry["ours"]["GFLOP/s"] / roof["all_threads_GOPs"])
                 results.append(entry)
+        if layers := expert_layers(model):
+            results += _expert_entries(layers, rows, resolved.dtype)
     return {"quantization": resolved.quantization, "dtype": str(resolved.dtype).removeprefix("torch."),
             "read_bandwidth_GBps": round(bandwidth, 2), "int8_roof": roof, "threads": torch.get_num_threads(),
             "shapes": results}

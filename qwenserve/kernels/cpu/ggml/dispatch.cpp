@@ -173,16 +173,9 @@ void ggml_mm(at::Tensor& out, const at::Tensor& x, const at::Tensor& raw, int64_
   QS_GGML_DISPATCH_DTYPES(x.scalar_type(), "ggml_mm", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    switch (ggml_type) {
-      case kQ4_0: mm_impl<LegacyUnsigned<kQ4_0>>(op, ldo, xp, M, K, w, N, bp, act_levels); break;
-      case kQ4_1: mm_impl<LegacyUnsigned<kQ4_1>>(op, ldo, xp, M, K, w, N, bp, act_levels); break;
-      case kQ5_0: mm_impl<LegacyUnsigned<kQ5_0>>(op, ldo, xp, M, K, w, N, bp, act_levels); break;
-      case kQ8_0: mm_impl<Q8_0Kernel>(op, ldo, xp, M, K, w, N, bp, act_levels); break;
-      case kQ4_K: mm_impl<KQuant45<kQ4_K>>(op, ldo, xp, M, K, w, N, bp, act_levels); break;
-      case kQ5_K: mm_impl<KQuant45<kQ5_K>>(op, ldo, xp, M, K, w, N, bp, act_levels); break;
-      case kQ6_K: mm_impl<Q6_KKernel>(op, ldo, xp, M, K, w, N, bp, act_levels); break;
-      default: break;  // checked_layout rejected it
-    }
+    with_kernel(ggml_type, [&](auto* kernel) {  // checked_layout rejected any other type
+      mm_impl<std::remove_pointer_t<decltype(kernel)>>(op, ldo, xp, M, K, w, N, bp, act_levels);
+    });
   });
 }
 

@@ -123,6 +123,63 @@ void decode_group(const uint8_t* w, int64_t nb, const typename Kernel::Act* cons
 }
 #endif
 
+#if QS_X86_AVX2 || QS_ARM_NEON
+// Weight groups g0 .. g1 (8 rows each, the decode layout) against all M activation rows, 4 at a time, -> out
+template <typename Kernel, typename T>
+void decode_groups(T* out, int64_t ldo, int64_t levels, const typename Kernel::Act* act, int64_t M, int64_t nb,
+                   const Layout& w, int64_t g0, int64_t g1, const float* bias) {
+  using Act = typename Kernel::Act;
+  for (int64_t g = g0; g < g1; ++g)
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      const int r = static_cast<int>(std::min<int64_t>(4, M - m0));
+      const Act* y[4];
+      for (int i = 0; i < r; ++i) y[i] = act + (m0 + i) * nb;
+      float res[4][8];
+      switch (r) {
+        case 4: decode_group<Kernel, 4>(w.row(8 * g), nb, y, res); break;
+        case 3: decode_group<Kernel, 3>(w.row(8 * g), nb, y, res); break;
+        case 2: decode_group<Kernel, 2>(w.row(8 * g), nb, y, res); break;
+        default: decode_group<Kernel, 1>(w.row(8 * g), nb, y, res); break;
+      }
+      store_rows<8>(out, ldo, levels, m0, r, 8 * g, res[0], bias);
+    }
+}
+#endif
+
+// Activation rows below which every build's mm_quantized runs the decode-group kernels on weights in the decode
+// layout, where the build has them (the tile kernels start from 4 rows on VNNI and ARM, 6 on AVX2)
+constexpr int64_t kDecodeGroupRows = 4;
+#if QS_X86_AMX_BUILD
+static_assert(x86::kAmxMinRows >= kDecodeGroupRows);
+#endif
+#if QS_X86_AVX512_VNNI
+static_assert(x86::kTileMinRows >= kDecodeGroupRows);
+#elif QS_X86_AVX2
+static_assert(x86::kAvx2TileMinRows >= kDecodeGroupRows);
+#elif QS_ARM_I8MM
+static_assert(arm::kTileMinRows >= kDecodeGroupRows);
+#endif
+
+// How many groups of 8 weight rows a thread takes at a time from a matmul of `groups`: about 8 chunks a thread
+inline int64_t decode_chunk_groups(int64_t groups, int64_t threads) {
+  return std::max<int64_t>(2, groups / (threads * 8));
+}
+
+// f((Kernel*)nullptr) with the kernel of a ggml type our kernels run (dispatch.cpp's checks reject the others)
+template <typename F>
+void with_kernel(int64_t type, F&& f) {
+  switch (type) {
+    case kQ4_0: f(static_cast<LegacyUnsigned<kQ4_0>*>(nullptr)); return;
+    case kQ4_1: f(static_cast<LegacyUnsigned<kQ4_1>*>(nullptr)); return;
+    case kQ5_0: f(static_cast<LegacyUnsigned<kQ5_0>*>(nullptr)); return;
+    case kQ8_0: f(static_cast<Q8_0Kernel*>(nullptr)); return;
+    case kQ4_K: f(static_cast<KQuant45<kQ4_K>*>(nullptr)); return;
+    case kQ5_K: f(static_cast<KQuant45<kQ5_K>*>(nullptr)); return;
+    case kQ6_K: f(static_cast<Q6_KKernel*>(nullptr)); return;
+    default: TORCH_CHECK(false, "ggml type ", type, " is not one our kernels run");
+  }
+}
+
 // out[M / levels, N] from M quantized activation rows (act: M * nb blocks, `levels` rows per output row), by
 // whichever kernel suits M and the layout. Every pass below covers an even number of rows from an even one.
 template <typename Kernel, typename T>
@@ -165,25 +222,13 @@ void mm_quantized(T* out, int64_t ldo, int64_t levels, const std::vector<typenam
     // groups handed out in chunks as threads ask for them: on a shared host one core may run slower for a while,
     // and an even split leaves the other waiting at the end of every matmul
     const int64_t groups = N / 8, threads = at::get_num_threads();
-    const int64_t chunk = std::max<int64_t>(2, groups / (threads * 8));
+    const int64_t chunk = decode_chunk_groups(groups, threads);
     const int64_t chunks = (groups + chunk - 1) / chunk;
     std::atomic<int64_t> next{0};
     at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
       for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;)
-      for (int64_t g = c * chunk, g1 = std::min(groups, g + chunk); g < g1; ++g)
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
-          const int r = static_cast<int>(std::min<int64_t>(4, M - m0));
-          const Act* y[4];
-          for (int i = 0; i < r; ++i) y[i] = act.data() + (m0 + i) * nb;
-          float res[4][8];
-          switch (r) {
-            case 4: decode_group<Kernel, 4>(w.row(8 * g), nb, y, res); break;
-            case 3: decode_group<Kernel, 3>(w.row(8 * g), nb, y, res); break;
-            case 2: decode_group<Kernel, 2>(w.row(8 * g), nb, y, res); break;
-            default: decode_group<Kernel, 1>(w.row(8 * g), nb, y, res); break;
-          }
-          store_rows<8>(out, ldo, levels, m0, r, 8 * g, res[0], bias);
-        }
+        decode_groups<Kernel>(out, ldo, levels, act.data(), M, nb, w, c * chunk, std::min(groups, (c + 1) * chunk),
+                              bias);
     });
     return;
   }

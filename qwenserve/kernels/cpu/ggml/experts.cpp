@@ -7,8 +7,10 @@
 // runs gate and up through mm_quantized (drivers.h: the decode-group kernels at one token, the tile kernels from a
 // few), forms h = silu(gate) * up in float, quantizes h for the down type, runs down, and adds weight * result to its
 // tokens' rows of a float32 sum, which is rounded once to out's dtype at the end. Only the chosen experts' bytes
-// are read. The experts run one after another and each matmul splits its weight rows over the threads, as ggml_mm
-// does: the threads share every expert's work however unevenly the tokens fall on the experts.
+// are read. Experts with many tokens run one after another, each matmul splitting its weight rows over the threads as
+// ggml_mm does, so the threads share every expert's work however unevenly the tokens fall on the experts. Experts with
+// fewer than kDecodeGroupRows rows (every expert of a decode step, most of a batched one) run together: all their gate
+// and up matmuls in one parallel region, then all their downs in another, their weight rows handed out in chunks.
 
 #include <algorithm>
 #include <cmath>
@@ -46,29 +48,6 @@ ExpertWeights checked_experts(const at::Tensor& raw, const char* name, int64_t t
   TORCH_CHECK(raw.size(1) > 0 && raw.size(1) % group == 0, "ggml_moe: ", name, " has ", raw.size(1),
               " rows per expert, not a positive multiple of the group (", group, ")");
   return {raw.data_ptr<uint8_t>(), type, raw.size(1), cols, raw.size(1) * raw.size(2), raw.size(2), bi.bytes, group};
-}
-
-// out[M / levels, N] in float (rows ldo apart) from M quantized rows against weight rows of `type`
-template <typename Act>
-void mm_float(int64_t type, float* out, int64_t ldo, int64_t levels, const std::vector<Act>& act, int64_t M,
-              int64_t nb, const Layout& w, int64_t N) {
-  if constexpr (std::is_same_v<Act, ActQ8_0>) {
-    switch (type) {
-      case kQ4_0: mm_quantized<LegacyUnsigned<kQ4_0>>(out, ldo, levels, act, M, nb, w, N, nullptr); return;
-      case kQ4_1: mm_quantized<LegacyUnsigned<kQ4_1>>(out, ldo, levels, act, M, nb, w, N, nullptr); return;
-      case kQ5_0: mm_quantized<LegacyUnsigned<kQ5_0>>(out, ldo, levels, act, M, nb, w, N, nullptr); return;
-      case kQ8_0: mm_quantized<Q8_0Kernel>(out, ldo, levels, act, M, nb, w, N, nullptr); return;
-      default: break;
-    }
-  } else {
-    switch (type) {
-      case kQ4_K: mm_quantized<KQuant45<kQ4_K>>(out, ldo, levels, act, M, nb, w, N, nullptr); return;
-      case kQ5_K: mm_quantized<KQuant45<kQ5_K>>(out, ldo, levels, act, M, nb, w, N, nullptr); return;
-      case kQ6_K: mm_quantized<Q6_KKernel>(out, ldo, levels, act, M, nb, w, N, nullptr); return;
-      default: break;
-    }
-  }
-  TORCH_CHECK(false, "ggml_moe: ggml type ", type, " reached the wrong activation blocks");  // checked before
 }
 
 // One kind of activation block (q8_0 or q8_K) of the call's tokens: quantized once, gathered per expert
@@ -116,67 +95,194 @@ PairsByExpert group_by_expert(const int64_t* ids, int64_t pairs, int64_t k, int6
   return g;
 }
 
-// One projection (gate, up: `rows` output columns at out + column) of expert e for its `count` tokens
-void project(const ExpertWeights& w, int64_t e, const int64_t* pairs, int64_t count, int64_t k,
-             const QuantizedTokens<ActQ8_0>& x32, const QuantizedTokens<ActQ8_K>& x256, float* out, int64_t ldo) {
-  if (takes_q8_K(w.type)) {
-    mm_float(w.type, out, ldo, x256.levels, x256.gather(pairs, count, k), x256.levels * count, x256.nb, w.of(e),
-             w.rows);
+// One matmul of an expert: quantized activation rows (of the kind its type takes: the other pointer is null)
+// against one expert's weights, into float rows ldo apart
+struct Matmul {
+  int64_t type;
+  const std::vector<ActQ8_0>* rows_q8_0;
+  const std::vector<ActQ8_K>* rows_q8_K;
+  int64_t M, nb, levels;
+  Layout w;
+  int64_t N;
+  float* out;
+  int64_t ldo;
+};
+
+template <typename Kernel>
+const std::vector<typename Kernel::Act>& rows_of(const Matmul& m) {
+  if constexpr (std::is_same_v<typename Kernel::Act, ActQ8_0>) {
+    TORCH_CHECK(m.rows_q8_0, "ggml_moe: ggml type ", m.type, " reached the wrong activation blocks");  // checked before
+    return *m.rows_q8_0;
   } else {
-    mm_float(w.type, out, ldo, x32.levels, x32.gather(pairs, count, k), x32.levels * count, x32.nb, w.of(e), w.rows);
+    TORCH_CHECK(m.rows_q8_K, "ggml_moe: ggml type ", m.type, " reached the wrong activation blocks");
+    return *m.rows_q8_K;
   }
 }
 
-// down(h) for h [count, inter] in float: h quantized for down's type, then the matmul into y [count, hidden]
-template <typename Act>
-void down_project(const ExpertWeights& down, int64_t e, const std::vector<float>& h, int64_t count, int64_t inter,
-                  int64_t levels, float* y) {
-  const int64_t nb = inter / (std::is_same_v<Act, ActQ8_0> ? 32 : 256);
-  std::vector<Act> act(static_cast<size_t>(activation_rows_allocated(levels * count) * nb));
-  quantize_rows(h.data(), count, inter, levels, act.data());
-  mm_float(down.type, y, down.rows, levels, act, levels * count, nb, down.of(e), down.rows);
+// The whole matmul, by whichever kernel suits its rows (its own parallel region)
+void run_alone(const Matmul& m) {
+  with_kernel(m.type, [&](auto* kernel) {
+    using Kernel = std::remove_pointer_t<decltype(kernel)>;
+    mm_quantized<Kernel>(m.out, m.ldo, m.levels, rows_of<Kernel>(m), m.M, m.nb, m.w, m.N, nullptr);
+  });
 }
 
-// gate: [experts, inter, ...], or gate then up rows [experts, 2 inter, ...] where up is null
+#if QS_X86_AVX2 || QS_ARM_NEON
+constexpr bool kRunsTogether = true;
+
+// Matmuls of fewer than kDecodeGroupRows rows on weights in the decode layout, all in one parallel region: their
+// groups of weight rows handed to the threads in chunks as they ask. A decode step's k experts are small matmuls
+// (an A3B expert's gate_up is 1.8 MB); one region each left a thread waiting at the end of every one of them.
+void run_together(const std::vector<Matmul>& matmuls) {
+  struct Chunk {
+    size_t matmul;
+    int64_t g0, g1;
+  };
+  const int64_t threads = at::get_num_threads();
+  std::vector<Chunk> chunks;
+  for (size_t i = 0; i < matmuls.size(); ++i) {
+    // a matmul in `threads` chunks: the many matmuls keep the threads busy to the end, and a chunk this long is a
+    // stream the hardware prefetchers keep ahead of (an eighth of it, as mm_quantized cuts, is not)
+    const int64_t groups = matmuls[i].N / kDecodeGroup, chunk = std::max<int64_t>(2, groups / threads);
+    for (int64_t g = 0; g < groups; g += chunk) chunks.push_back({i, g, std::min(groups, g + chunk)});
+  }
+  std::atomic<size_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (size_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks.size();) {
+      const Matmul& m = matmuls[chunks[c].matmul];
+      with_kernel(m.type, [&](auto* kernel) {
+        using Kernel = std::remove_pointer_t<decltype(kernel)>;
+        decode_groups<Kernel>(m.out, m.ldo, m.levels, rows_of<Kernel>(m).data(), m.M, m.nb, m.w, chunks[c].g0,
+                              chunks[c].g1, nullptr);
+      });
+    }
+  });
+}
+#else
+constexpr bool kRunsTogether = false;  // no decode-group kernels in this build
+void run_together(const std::vector<Matmul>& matmuls) {
+  for (const Matmul& m : matmuls) run_alone(m);
+}
+#endif
+
+// One expert's work in a call: its tokens' rows quantized, gate and up's outputs, h = silu(gate) * up quantized
+// for down, and down's output
+struct ExpertRun {
+  int64_t expert, count;
+  const int64_t* pairs;  // its (token, slot) pairs
+  std::vector<ActQ8_0> x_q8_0, h_q8_0;
+  std::vector<ActQ8_K> x_q8_K, h_q8_K;
+  std::vector<float> gate_up, h, y;  // per token: gate's inter values then up's; h [count, inter]; y [count, hidden]
+};
+
+// The layer's three projections and the call's quantized tokens
+struct MoeLayer {
+  const ExpertWeights& gate;
+  const ExpertWeights* up;  // null: gate holds gate then up rows
+  const ExpertWeights& down;
+  int64_t hidden, inter, k, levels;
+  QuantizedTokens<ActQ8_0> x_q8_0;
+  QuantizedTokens<ActQ8_K> x_q8_K;
+
+  ExpertRun start(int64_t expert, const int64_t* pairs, int64_t count) const {
+    ExpertRun r{expert, count, pairs};
+    if (!x_q8_0.rows.empty()) r.x_q8_0 = x_q8_0.gather(pairs, count, k);
+    if (!x_q8_K.rows.empty()) r.x_q8_K = x_q8_K.gather(pairs, count, k);
+    r.gate_up.resize(static_cast<size_t>(count * 2 * inter));
+    return r;
+  }
+
+  // Whether an expert's matmuls for `count` tokens take the decode-group kernels (and so can run together)
+  bool few_rows(int64_t count) const { return levels * count < kDecodeGroupRows && gate.group == kDecodeGroup; }
+
+  Matmul projection(ExpertRun& r, const ExpertWeights& w, int64_t column) const {
+    const bool q8_K = takes_q8_K(w.type);
+    return {w.type, q8_K ? nullptr : &r.x_q8_0, q8_K ? &r.x_q8_K : nullptr, levels * r.count,
+            q8_K ? x_q8_K.nb : x_q8_0.nb, levels, w.of(r.expert), w.rows, r.gate_up.data() + column, 2 * inter};
+  }
+
+  void add_gate_up(ExpertRun& r, std::vector<Matmul>& matmuls) const {
+    matmuls.push_back(projection(r, gate, 0));
+    if (up) matmuls.push_back(projection(r, *up, inter));
+  }
+
+  // h = silu(gate) * up, quantized for down's type; then down's matmul
+  Matmul activated_down(ExpertRun& r) const {
+    r.h.resize(static_cast<size_t>(r.count * inter));
+    for (int64_t i = 0; i < r.count; ++i)
+      for (int64_t j = 0; j < inter; ++j) {
+        const float g = r.gate_up[i * 2 * inter + j];
+        r.h[i * inter + j] = g / (1.0f + std::exp(-g)) * r.gate_up[i * 2 * inter + inter + j];
+      }
+    r.y.resize(static_cast<size_t>(r.count * hidden));
+    const bool q8_K = takes_q8_K(down.type);
+    const int64_t nb = inter / (q8_K ? 256 : 32), rows = activation_rows_allocated(levels * r.count) * nb;
+    if (q8_K) {
+      r.h_q8_K.resize(static_cast<size_t>(rows));
+      quantize_rows(r.h.data(), r.count, inter, levels, r.h_q8_K.data());
+    } else {
+      r.h_q8_0.resize(static_cast<size_t>(rows));
+      quantize_rows(r.h.data(), r.count, inter, levels, r.h_q8_0.data());
+    }
+    return {down.type, q8_K ? nullptr : &r.h_q8_0, q8_K ? &r.h_q8_K : nullptr, levels * r.count, nb, levels,
+            down.of(r.expert), down.rows, r.y.data(), hidden};
+  }
+
+  // sum[token] += router weight * y, for each of the run's tokens
+  void add_weighted(const ExpertRun& r, const float* weights, float* sum) const {
+    for (int64_t i = 0; i < r.count; ++i) {
+      const float w = weights[r.pairs[i]];
+      float* s = sum + r.pairs[i] / k * hidden;
+      const float* yi = r.y.data() + i * hidden;
+      for (int64_t j = 0; j < hidden; ++j) s[j] += w * yi[j];
+    }
+  }
+};
+
+// gate: [experts, inter, ...], or gate then up rows [experts, 2 inter, ...] where up is null. Experts with many
+// tokens run one after another, each matmul spread over the threads; those with few (a decode step's) run together.
 template <typename T>
 void moe_impl(T* out, const T* x, int64_t tokens, int64_t hidden, const int64_t* ids, const float* weights,
               int64_t k, int64_t experts, const ExpertWeights& gate, const ExpertWeights* up,
               const ExpertWeights& down, int64_t inter, int64_t levels) {
   const PairsByExpert by_expert = group_by_expert(ids, tokens * k, k, experts);
-  QuantizedTokens<ActQ8_0> x32;
-  QuantizedTokens<ActQ8_K> x256;
+  MoeLayer layer{gate, up, down, hidden, inter, k, levels};
   const bool any_q8_K = takes_q8_K(gate.type) || (up && takes_q8_K(up->type));
   const bool any_q8_0 = !takes_q8_K(gate.type) || (up && !takes_q8_K(up->type));
-  if (any_q8_0) x32.quantize(x, tokens, hidden, levels);
-  if (any_q8_K) x256.quantize(x, tokens, hidden, levels);
+  if (any_q8_0) layer.x_q8_0.quantize(x, tokens, hidden, levels);
+  if (any_q8_K) layer.x_q8_K.quantize(x, tokens, hidden, levels);
+
+  // the experts with few tokens first, together; then every expert's share added in expert order, the others
+  // run as their turn comes
+  std::vector<ExpertRun> few;
+  std::vector<int64_t> few_index(static_cast<size_t>(experts), -1);
+  for (int64_t e = 0; e < experts && kRunsTogether; ++e) {
+    const int64_t count = by_expert.start[e + 1] - by_expert.start[e];
+    if (count == 0 || !layer.few_rows(count)) continue;
+    few_index[e] = static_cast<int64_t>(few.size());
+    few.push_back(layer.start(e, by_expert.order.data() + by_expert.start[e], count));
+  }
+  std::vector<Matmul> matmuls;  // few's buffers stay put from here on
+  for (ExpertRun& r : few) layer.add_gate_up(r, matmuls);
+  if (!matmuls.empty()) run_together(matmuls);
+  matmuls.clear();
+  for (ExpertRun& r : few) matmuls.push_back(layer.activated_down(r));
+  if (!matmuls.empty()) run_together(matmuls);
 
   std::vector<float> sum(static_cast<size_t>(tokens * hidden), 0.0f);
-  std::vector<float> gate_up, h, y;
   for (int64_t e = 0; e < experts; ++e) {
     const int64_t count = by_expert.start[e + 1] - by_expert.start[e];
     if (count == 0) continue;
-    const int64_t* pairs = by_expert.order.data() + by_expert.start[e];
-    gate_up.resize(static_cast<size_t>(count * 2 * inter));  // per token: gate's inter values, then up's
-    project(gate, e, pairs, count, k, x32, x256, gate_up.data(), 2 * inter);
-    if (up) project(*up, e, pairs, count, k, x32, x256, gate_up.data() + inter, 2 * inter);
-    h.resize(static_cast<size_t>(count * inter));
-    for (int64_t i = 0; i < count; ++i)
-      for (int64_t j = 0; j < inter; ++j) {
-        const float g = gate_up[i * 2 * inter + j];
-        h[i * inter + j] = g / (1.0f + std::exp(-g)) * gate_up[i * 2 * inter + inter + j];
-      }
-    y.resize(static_cast<size_t>(count * hidden));
-    if (takes_q8_K(down.type)) {
-      down_project<ActQ8_K>(down, e, h, count, inter, levels, y.data());
-    } else {
-      down_project<ActQ8_0>(down, e, h, count, inter, levels, y.data());
+    if (few_index[e] >= 0) {
+      layer.add_weighted(few[few_index[e]], weights, sum.data());
+      continue;
     }
-    for (int64_t i = 0; i < count; ++i) {
-      const float w = weights[pairs[i]];
-      float* s = sum.data() + pairs[i] / k * hidden;
-      const float* yi = y.data() + i * hidden;
-      for (int64_t j = 0; j < hidden; ++j) s[j] += w * yi[j];
-    }
+    ExpertRun r = layer.start(e, by_expert.order.data() + by_expert.start[e], count);
+    matmuls.clear();
+    layer.add_gate_up(r, matmuls);
+    for (const Matmul& m : matmuls) run_alone(m);
+    run_alone(layer.activated_down(r));
+    layer.add_weighted(r, weights, sum.data());
   }
   for (int64_t i = 0; i < tokens * hidden; ++i) out[i] = from_float<T>(sum[i]);
 }
