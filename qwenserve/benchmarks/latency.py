@@ -12,7 +12,10 @@ from qwenserve.engine.data_parallel import build_engine
 
 
 def bench_latency(config: EngineConfig, input_len: int, output_len: int, baseline: str | None) -> dict:
-    bandwidth = read_bandwidth()  # before the model loads: the 1 GiB buffer never sits beside the weights
+    # a GGUF file's (the bundled model's without --model) step reads, beside the bandwidth measured before the model
+    # loads: the 1 GiB buffer never sits beside the weights
+    gguf = (config.load.model or ".gguf").endswith(".gguf")
+    bandwidth = read_bandwidth() if gguf else None
     engine = build_engine(config)
     vocab = ordinary_vocab(engine.tokenizer)
     prompt = random_prompts(1, input_len, vocab, seed=7)
@@ -22,7 +25,7 @@ def bench_latency(config: EngineConfig, input_len: int, output_len: int, baselin
     result = {"input_len": input_len, "output_len": output_len, "ttft_ms": round(ttft * 1e3, 1),
               "tpot_ms": round((e2e - ttft) / max(output_len - 1, 1) * 1e3, 2), "e2e_ms": round(e2e * 1e3, 1),
               "dtype": str(engine.resolved_model.dtype).removeprefix("torch.")}
-    if engine.resolved_model.format == "gguf":
+    if bandwidth is not None:
         result.update(decode_reads(engine, config, input_len + output_len // 2, result["tpot_ms"], bandwidth))
     if baseline == "hf":
         model = hf_model_like(engine.resolved_model)
