@@ -335,3 +335,7 @@ def test_bench_kernels_and_latency_count_only_the_chosen_experts(ops, tmp_path, 
     assert result["read_bandwidth_GBps"] > 0 and result["decode_read_GBps"] > 0
     assert result["bandwidth_share_pct"] == pytest.approx(  # each figure rounded as printed
         100 * result["decode_read_GBps"] / result["read_bandwidth_GBps"], rel=0.02, abs=0.06)
+    # the file's blocks are not what runs under another quantization: no step reads are claimed
+    assert main(["bench", "latency", "--model", path, "--dtype", "float32", "--quantization", "int8",
+                 "--kv-cache-memory", "8MiB", "--input-len", "8", "--output-len", "4", "--json"]) == 0
+    assert "step_read_MB" not in json.loads(capsys.readouterr().out.strip().splitlines()[-1])

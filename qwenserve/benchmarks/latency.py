@@ -12,9 +12,9 @@ from qwenserve.engine.data_parallel import build_engine
 
 
 def bench_latency(config: EngineConfig, input_len: int, output_len: int, baseline: str | None) -> dict:
-    # a GGUF file's (the bundled model's without --model) step reads, beside the bandwidth measured before the model
-    # loads: the 1 GiB buffer never sits beside the weights
-    gguf = (config.load.model or ".gguf").endswith(".gguf")
+    # a GGUF file's (the bundled model's without --model) step reads where its blocks are what runs, beside the
+    # bandwidth measured before the model loads: the 1 GiB buffer never sits beside the weights
+    gguf = (config.load.model or ".gguf").endswith(".gguf") and config.load.quantization in (None, "gguf")
     bandwidth = read_bandwidth() if gguf else None
     engine = build_engine(config)
     vocab = ordinary_vocab(engine.tokenizer)
