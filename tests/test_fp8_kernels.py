@@ -15,9 +15,12 @@ E4M3 = torch.float8_e4m3fn
 
 # (rows, out features, in features, scale group): one row (decode) to past the kernel's four-row passes and two-row
 # pairs; groups of 128 (block checkpoints) with a partial edge block, a whole row (per channel), groups that are not
-# multiples of 8, and widths with tails
+# multiples of 8, and widths with tails. From 32 rows, bf16 activations on AVX512-BF16 builds take the tiles: a
+# panel's last weight rows (33, 70), inputs past the last 32 (130), a last pass of fewer activation rows than a tile
+# (45, 33), a whole-row group; an odd width or group (333, 5) keeps them on the dot products.
 SHAPES = [(1, 5, 300, 128), (2, 9, 8, 8), (3, 4, 17, 17), (4, 7, 256, 128), (5, 6, 896, 128), (6, 3, 40, 12),
-          (7, 11, 24, 5), (9, 5, 333, 128), (31, 13, 896, 896)]
+          (7, 11, 24, 5), (9, 5, 333, 128), (31, 13, 896, 896), (32, 33, 130, 128), (45, 70, 896, 128),
+          (33, 16, 300, 300), (40, 9, 333, 128), (34, 8, 40, 5)]
 
 
 def every_code_weights(n, k, gen):
@@ -72,21 +75,32 @@ def test_fp8_dequantize_is_code_times_scale_exactly(variant):
             assert torch.equal(out, want.to(dtype)), (n, k, group, dtype)
 
 
-def test_fp8_mm_takes_large_and_non_finite_activations(ops):
-    """bf16 activations too large for the pair dot products' lift (AVX512-BF16 builds) take the float path: the
-    result is still the reference's; a NaN activation gives NaN in every output it meets, as a matmul does."""
+@pytest.mark.parametrize("rows", [2, 40], ids=["pairs", "tiles"])
+def test_fp8_mm_takes_large_and_non_finite_activations(ops, rows):
+    """bf16 activations too large for the lift of the pair dot products and the tiles (AVX512-BF16 builds) take
+    the float path: the result is still the reference's; a NaN activation gives NaN in every output it meets, as a
+    matmul does."""
     gen = torch.Generator().manual_seed(11)
     codes, scales = every_code_weights(6, 256, gen), scales_for(6, 256, 128, gen)
-    x = torch.randn(2, 256, generator=gen)
+    x = torch.randn(rows, 256, generator=gen)
     x[0, 5] = 2.0 ** 70
     x = x.bfloat16()
-    out = torch.empty(2, 6, dtype=torch.bfloat16)
+    out = torch.empty(rows, 6, dtype=torch.bfloat16)
     ops.fp8_mm(out, x, codes, scales, 128, None)
     expected = reference(x, codes, scales, 128)
     assert ((out.double() - expected).abs() <= 1e-2 * expected.abs() + 1e-3).all()
+    x[0, 5] = 1.0
     x[1, 7] = float("nan")
     ops.fp8_mm(out, x, codes, scales, 128, None)
-    assert out[1].isnan().all() and not out[0].isnan().any()
+    assert out[1].isnan().all() and not out[0].isnan().any() and not out[2:].isnan().any()
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_fp8_tiles_are_built_where_the_variant_has_bf16_pairs(variant):
+    """fp8_mm's prefill tiles exist exactly in the variants with AVX512-BF16; elsewhere fp8_linear widens slices
+    for many rows."""
+    ops = variant_ops(variant) if variant is not None else pytest.skip("no kernel variants for this architecture")
+    assert ops.fp8_tiles() == ("avx512_bf16" in variant.needs)
 
 
 def test_fp8_mm_writes_a_column_slice_only(ops):
@@ -122,8 +136,9 @@ def test_fp8_mm_rejects_bad_arguments(ops, change, message):
                                   70])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_fp8_linear_routes_agree_with_the_dequantized_weight(ops, monkeypatch, rows, dtype):
-    """Both routes (fp8_mm below the row threshold, widened slices from it; the slices several per weight) and the
-    PyTorch path where no kernels are give the dequantized weight's product."""
+    """Every route (fp8_mm below the row threshold; from it fp8_mm's tiles for bf16 on AVX512-BF16 builds, else
+    widened slices, several per weight) and the PyTorch path where no kernels are give the dequantized weight's
+    product."""
     monkeypatch.setattr(fp8, "DEQUANTIZE_WEIGHTS", 40 * 300)  # slices of 40 rows: several per weight
     gen = torch.Generator().manual_seed(10)
     weight = torch.randn(130, 300, generator=gen)

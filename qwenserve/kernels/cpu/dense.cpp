@@ -5,7 +5,9 @@
 // and runs several times slower than the weights' bytes allow, and it has no FP8 matmul on the CPU at all. For a
 // few activation rows (decode, batched decode, speculative verify) this is the whole matmul; for many rows
 // (prefill) the caller widens slices of the weight (fp8_dequantize for FP8) and runs float32 or bf16 matmuls
-// instead (model/layers/linear.py, quantization/fp8.py), which one-row-at-a-time dot products cannot match.
+// instead (model/layers/linear.py, quantization/fp8.py), which one-row-at-a-time dot products cannot match, except
+// for FP8 codes against bf16 activations on AVX512-BF16, which fp8_mm runs on register tiles of its own from 32 rows
+// (fp8_mm_tiles below; fp8_tiles() says whether this build has them).
 //
 // dense_mm(out [M, N], x [M, K], w [N, K], bias [N] or None): out = x w^T + bias, summed in float32 and rounded once
 // to out's dtype. x and out share a dtype (float32, bf16 or fp16); out may be a column slice of a wider tensor.
@@ -457,6 +459,193 @@ bool fp8_mm_bf16_pairs(at::Tensor& out, const at::Tensor& x, const WeightRows& w
   });
   return true;
 }
+
+// Many activation rows (prefill) of FP8 codes against bf16 activations: register tiles of kTileRows activation rows
+// x kPanelCols weight rows on the same pair dot products, so each widened code serves every activation row and each
+// loaded activation pair 32 products. A thread takes a panel of 32 weight rows at a time, widens its codes once into
+// bf16 pairs laid out for the tiles (pair q of the 32 rows side by side: two vectors whose lane j is row j's codes
+// 2q, 2q + 1), then runs all activation rows against it. Lanes are weight rows, so a scale group's sums are scaled by
+// one vector of the 32 rows' scales. The arithmetic is fp8_mm_bf16_pairs' (codes * 2^-120, activations * 2^64).
+constexpr int kPanelCols = 32;
+constexpr int kTileRows = 12;  // 24 accumulators, two weight vectors and a broadcast: the 32 registers, nearly
+constexpr int64_t kPairTilesFromRows = 32;  // below, the pair dot products measure faster (their four-row passes)
+
+inline uint32_t e4m3_bf16_bits(uint8_t b) { return (b & 0x80u) << 8 | (b & 0x7Fu) << 4; }
+
+// The 32 codes at p as 16 lanes of bf16 pairs (lane q: codes 2q, 2q + 1)
+inline __m512i e4m3_pair_lanes(const uint8_t* p) {
+  const __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_and_si512(_mm512_srai_epi16(_mm512_slli_epi16(words, 8), 4),
+                          _mm512_set1_epi16(static_cast<short>(0x87FF)));
+}
+
+// r[i] lane j -> r[j] lane i, 32-bit lanes
+inline void transpose16(__m512i* r) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // u[4i + e], 128-bit lane L: rows 4i .. 4i + 3 at column 4L + e
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int e = 0; e < 4; ++e) {
+    const __m512i x0 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0x44), x1 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0xEE);
+    const __m512i y0 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x44);
+    const __m512i y1 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xEE);
+    r[e] = _mm512_shuffle_i32x4(x0, y0, 0x88);
+    r[4 + e] = _mm512_shuffle_i32x4(x0, y0, 0xDD);
+    r[8 + e] = _mm512_shuffle_i32x4(x1, y1, 0x88);
+    r[12 + e] = _mm512_shuffle_i32x4(x1, y1, 0xDD);
+  }
+}
+
+// Weight rows n0 .. n0 + cols - 1 (cols <= 32; the panel's other lanes zero) as panel[q * 32 + j] = bf16 pair q of
+// row n0 + j, and their scales as group_scales[g * 32 + j] (times 2^56, see kPairUnbias)
+void pack_panel(const WeightRows& weights, int64_t K, int64_t n0, int64_t cols, uint32_t* panel, float* group_scales) {
+  const auto* codes = static_cast<const uint8_t*>(weights.data) + n0 * K;
+  const int64_t groups = (K + weights.group - 1) / weights.group;
+  for (int half = 0; half < 2; ++half) {
+    const int64_t first = 16 * half, rows = std::clamp<int64_t>(cols - first, 0, 16);
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+      __m512i r[16];
+      for (int j = 0; j < 16; ++j)
+        r[j] = j < rows ? e4m3_pair_lanes(codes + (first + j) * K + k) : _mm512_setzero_si512();
+      transpose16(r);
+      for (int q = 0; q < 16; ++q) _mm512_storeu_si512(panel + (k / 2 + q) * kPanelCols + first, r[q]);
+    }
+    for (; k < K; k += 2)
+      for (int j = 0; j < 16; ++j) {
+        const uint8_t* c = codes + (first + j) * K + k;
+        panel[k / 2 * kPanelCols + first + j] = j < rows ? e4m3_bf16_bits(c[0]) | e4m3_bf16_bits(c[1]) << 16 : 0;
+      }
+  }
+  for (int64_t g = 0; g < groups; ++g)
+    for (int j = 0; j < kPanelCols; ++j)
+      group_scales[g * kPanelCols + j] = j < cols ? weights.scales[(n0 + j) * weights.lds + g] * kPairUnbias : 0.0f;
+}
+
+// total[r * 32 + j] = activation row r . panel row j for R activation rows (x: bf16 pairs, ldx pairs apart), summed
+// per scale group of group_pairs pairs, each group's sums times its scales
+template <int R>
+void panel_tile(const uint32_t* panel, const float* group_scales, const uint32_t* x, int64_t ldx, int64_t pairs,
+                int64_t group_pairs, float* total) {
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) _mm512_storeu_ps(total + r * kPanelCols + 16 * h, _mm512_setzero_ps());
+  for (int64_t g0 = 0, g = 0; g0 < pairs; g0 += group_pairs, ++g) {
+    __m512 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t q = g0, q1 = std::min(pairs, g0 + group_pairs); q < q1; ++q) {
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + q * kPanelCols);
+      const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel + q * kPanelCols + 16);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * ldx + q]));
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, a);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, a);
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m512 scale = _mm512_loadu_ps(group_scales + g * kPanelCols + 16 * h);
+      for (int r = 0; r < R; ++r) {
+        float* t = total + r * kPanelCols + 16 * h;
+        _mm512_storeu_ps(t, _mm512_fmadd_ps(acc[r][h], scale, _mm512_loadu_ps(t)));
+      }
+    }
+  }
+}
+
+// f(std::integral_constant<int, r>) for r = 1 .. kTileRows
+template <int R = kTileRows, typename F>
+inline void with_tile_rows(int r, F f) {
+  if constexpr (R > 1)
+    if (r < R) return with_tile_rows<R - 1>(r, f);
+  f(std::integral_constant<int, R>{});
+}
+
+// dst[j] = v[j] (+ bias[j]) rounded to bf16 as from_float rounds, j < cols (<= 32)
+inline void store_panel_row(c10::BFloat16* dst, const float* v, const float* bias, int64_t cols) {
+  for (int h = 0; h < 2 && cols > 16 * h; ++h) {
+    __m512 f = _mm512_loadu_ps(v + 16 * h);
+    if (bias) f = _mm512_add_ps(f, _mm512_loadu_ps(bias + 16 * h));
+    const __m512i u = _mm512_castps_si512(f), one = _mm512_set1_epi32(1);
+    __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)),
+                                       _mm512_and_si512(_mm512_srli_epi32(u, 16), one));
+    rounded = _mm512_mask_mov_epi32(_mm512_srli_epi32(rounded, 16), _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q),
+                                    _mm512_set1_epi32(0x7FC0));
+    const int64_t n = std::min<int64_t>(16, cols - 16 * h);
+    _mm256_mask_storeu_epi16(dst + 16 * h, static_cast<__mmask16>((1u << n) - 1), _mm512_cvtepi32_epi16(rounded));
+  }
+}
+
+// x's bf16 rows lifted by 2^64 into dst [M, K] (bf16 bits); false where an activation is at or past kLiftLimit or NaN
+bool lift_rows(const at::Tensor& x, uint16_t* dst) {
+  const int64_t M = x.size(0), K = x.size(1), ldx = x.stride(0);
+  const auto* src = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+  std::atomic<bool> fits{true};
+  at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
+    const __m512 lift = _mm512_set1_ps(kXLift), limit = _mm512_set1_ps(kLiftLimit);
+    __mmask16 ok = 0xFFFF;
+    for (int64_t m = m0; m < m1; ++m) {
+      int64_t k = 0;
+      for (; k + 16 <= K; k += 16) {
+        const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + m * ldx + k));
+        const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+        ok &= _mm512_cmp_ps_mask(_mm512_abs_ps(v), limit, _CMP_LT_OQ);  // false for NaN
+        const __m512i lifted = _mm512_srli_epi32(_mm512_castps_si512(_mm512_mul_ps(v, lift)), 16);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + m * K + k), _mm512_cvtepi32_epi16(lifted));
+      }
+      for (; k < K; ++k) {
+        const float v = static_cast<float>(c10::BFloat16(src[m * ldx + k], c10::BFloat16::from_bits()));
+        if (!(std::abs(v) < kLiftLimit)) ok = 0;
+        dst[m * K + k] = c10::BFloat16(v * kXLift).x;  // exact: a power of two
+      }
+    }
+    if (ok != 0xFFFF) fits = false;
+  });
+  return fits;
+}
+
+// fp8_mm on the tiles where they apply: bf16 activations, kPairTilesFromRows rows or more, K and the scale group
+// even (whole pairs). False: the caller takes another path.
+bool fp8_mm_tiles(at::Tensor& out, const at::Tensor& x, const WeightRows& weights, int64_t N, const float* bias) {
+  const int64_t M = x.size(0), K = x.size(1), group = weights.group;
+  if (x.scalar_type() != at::kBFloat16 || M < kPairTilesFromRows || K % 2 != 0 || group % 2 != 0) return false;
+  std::vector<uint16_t> lifted(static_cast<size_t>(M * K));
+  if (!lift_rows(x, lifted.data())) return false;
+  const auto* xp = reinterpret_cast<const uint32_t*>(lifted.data());
+  const int64_t pairs = K / 2, groups = (K + group - 1) / group, panels = (N + kPanelCols - 1) / kPanelCols;
+  auto* op = out.data_ptr<c10::BFloat16>();
+  const int64_t ldo = out.stride(0);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    std::vector<uint32_t> panel(static_cast<size_t>(pairs * kPanelCols));
+    std::vector<float> group_scales(static_cast<size_t>(groups * kPanelCols));
+    alignas(64) float total[kTileRows * kPanelCols];
+    for (int64_t p; (p = next.fetch_add(1, std::memory_order_relaxed)) < panels;) {
+      const int64_t n0 = p * kPanelCols, cols = std::min<int64_t>(kPanelCols, N - n0);
+      pack_panel(weights, K, n0, cols, panel.data(), group_scales.data());
+      float bias_storage[kPanelCols];
+      const float* bias_panel = nullptr;
+      if (bias) {
+        for (int j = 0; j < kPanelCols; ++j) bias_storage[j] = j < cols ? bias[n0 + j] : 0.0f;
+        bias_panel = bias_storage;
+      }
+      for (int64_t m = 0; m < M; m += kTileRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kTileRows, M - m));
+        with_tile_rows(rows, [&](auto r) {
+          panel_tile<r()>(panel.data(), group_scales.data(), xp + m * pairs, pairs, pairs, group / 2, total);
+        });
+        for (int r = 0; r < rows; ++r)
+          store_panel_row(op + (m + r) * ldo + n0, total + r * kPanelCols, bias_panel, cols);
+      }
+    }
+  });
+  return true;
+}
 #endif
 
 }  // namespace
@@ -480,10 +669,13 @@ void fp8_mm(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes, const
   const WeightRows weights{codes.data_ptr(), scales.data_ptr<float>(), scales.size(1), group};
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
 #if QS_X86_AVX512_BF16
-  if (fp8_mm_bf16_pairs(out, x, weights, codes.size(0), bp)) return;
+  if (fp8_mm_tiles(out, x, weights, codes.size(0), bp) || fp8_mm_bf16_pairs(out, x, weights, codes.size(0), bp))
+    return;
 #endif
   dense_mm_dispatch<E4M3>(out, x, weights, codes.size(0), bp);
 }
+
+bool fp8_tiles() { return QS_X86_AVX512_BF16 != 0; }
 
 void fp8_dequantize(at::Tensor& out, const at::Tensor& codes, const at::Tensor& scales, int64_t group) {
   TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.device().is_cpu(),

@@ -60,6 +60,9 @@ void dense_mm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const s
 void fp8_mm(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t group,
             const std::optional<at::Tensor>& bias);
 void fp8_dequantize(at::Tensor& out, const at::Tensor& codes, const at::Tensor& scales, int64_t group);
+// whether fp8_mm runs many bf16 activation rows on tiles of its own (AVX512-BF16 builds); elsewhere the caller widens
+// slices for dense matmuls
+bool fp8_tiles();
 // roof.cpp: GOP/s (2 per int8 MAC) of a register-only loop of this build's int8 tile instructions on one thread and
 // on `threads` threads (0: all of torch's), and their name; amx: the AMX tile multiplies instead (where allowed)
 std::tuple<double, double, std::string> int8_roof(int64_t threads, double seconds, bool amx);

@@ -41,6 +41,7 @@ QS_TORCH_LIBRARY(QS_OPS_NAMESPACE, m) {
   m.def("dense_mm(Tensor(a!) out, Tensor x, Tensor w, Tensor? bias=None) -> ()");
   m.def("fp8_mm(Tensor(a!) out, Tensor x, Tensor codes, Tensor scales, int group, Tensor? bias=None) -> ()");
   m.def("fp8_dequantize(Tensor(a!) out, Tensor codes, Tensor scales, int group) -> ()");
+  m.def("fp8_tiles() -> bool", &qwenserve::cpu::fp8_tiles);
   m.def("int8_roof(int threads=0, float seconds=0.2, bool amx=False) -> (float, float, str)",
         &qwenserve::cpu::int8_roof);
   using qwenserve::cpu::DecodeLayers;

@@ -20,11 +20,12 @@ modules_to_not_convert, compressed-tensors' ignore) are made dense when the mode
 
 apply() keeps the weights one byte each: below WIDEN_IN_REGISTERS_BELOW_ROWS activation rows (decode, batched
 decode, speculative verify) our fp8_mm widens the codes in registers inside its dot products (kernels/cpu/dense.cpp);
-from there (prefill) slices of about a million weights are widened one at a time (fp8_dequantize) and multiplied by
-dense matmuls, in float32 where the CPU has no bf16 arithmetic. Activations stay in the run dtype (weight-only,
-W8A16, as vLLM runs FP8 on the CPU), except where the checkpoint has static input scales: those were calibrated for
-inputs quantized to e4m3 with them, and the layer quantizes its input so (x / s saturated at +-448, rounded to
-e4m3, times s), as vLLM's static FP8 path does."""
+from there (prefill) bf16 activations on CPUs with AVX512-BF16 run on fp8_mm's tiles (codes widened once per panel
+of 32 weight rows), and elsewhere slices of about a million weights are widened one at a time (fp8_dequantize) and
+multiplied by dense matmuls, in float32 where the CPU has no bf16 arithmetic. Activations stay in the run dtype
+(weight-only, W8A16, as vLLM runs FP8 on the CPU), except where the checkpoint has static input scales: those were
+calibrated for inputs quantized to e4m3 with them, and the layer quantizes its input so (x / s saturated at +-448,
+rounded to e4m3, times s), as vLLM's static FP8 path does."""
 from __future__ import annotations
 
 import functools
@@ -365,7 +366,7 @@ class FP8LinearMethod(LinearMethod):
         # a fused layer's shards may have their own input scales; the largest covers them all (vLLM's choice)
         layer.fp8_input_scale = max(layer.fp8_input_scales) if layer.fp8_input_scales else None
         layer.fp8_ops = fp8_ops(layer.weight.device)
-        _log_route(layer.fp8_ops is not None)
+        _log_route(layer.fp8_ops is not None, layer.fp8_ops is not None and layer.fp8_ops.fp8_tiles())
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if layer.fp8_input_scale is not None:
@@ -376,12 +377,12 @@ class FP8LinearMethod(LinearMethod):
 def fp8_linear(ops, codes: torch.Tensor, scales: torch.Tensor, group: int, x: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T + b for W = codes [N, K] (e4m3) times scales [N, ceil(K / group)], W never held widened whole: below
-    WIDEN_IN_REGISTERS_BELOW_ROWS rows through fp8_mm, from there through matmuls on slices widened one at a time.
-    ops: fp8_ops() of the weight's device."""
+    WIDEN_IN_REGISTERS_BELOW_ROWS rows, and at any count where fp8_mm has tiles for them, through fp8_mm; elsewhere
+    through matmuls on slices widened one at a time. ops: fp8_ops() of the weight's device."""
     codes = codes.view(torch.uint8)
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     out = rows.new_empty(rows.shape[0], codes.shape[0])
-    if ops is not None and rows.shape[0] < WIDEN_IN_REGISTERS_BELOW_ROWS:
+    if ops is not None and (rows.shape[0] < WIDEN_IN_REGISTERS_BELOW_ROWS or runs_on_tiles(ops, rows, group)):
         ops.fp8_mm(out, rows, codes, scales, group, bias)
     else:
         dtype = matmul_dtype(rows)
@@ -393,6 +394,12 @@ def fp8_linear(ops, codes: torch.Tensor, scales: torch.Tensor, group: int, x: to
         if bias is not None:
             out += bias
     return out.reshape(*x.shape[:-1], codes.shape[0])
+
+
+def runs_on_tiles(ops, rows: torch.Tensor, group: int) -> bool:
+    """Whether fp8_mm runs these many activation rows on its own tiles (bf16 activations on AVX512-BF16 builds,
+    whole pairs of input columns in every scale group)."""
+    return rows.dtype == torch.bfloat16 and rows.shape[1] % 2 == 0 and group % 2 == 0 and ops.fp8_tiles()
 
 
 def fp8_ops(device: torch.device):
@@ -421,11 +428,13 @@ def widen(ops, codes: torch.Tensor, scales: torch.Tensor, group: int, dtype: tor
 
 
 @functools.cache
-def _log_route(kernels: bool) -> None:
+def _log_route(kernels: bool, tiles: bool) -> None:
     """Say once per process how FP8 weights run."""
     if kernels:
-        logger.info("fp8 weights: one byte a weight, widened to float32 inside qwenserve's fp8_mm below %d activation "
-                    "rows; from there matmuls on slices widened one at a time", WIDEN_IN_REGISTERS_BELOW_ROWS)
+        logger.info("fp8 weights: one byte a weight, widened in registers inside qwenserve's fp8_mm below %d "
+                    "activation rows; from there %s", WIDEN_IN_REGISTERS_BELOW_ROWS,
+                    "fp8_mm's tiles for bf16 activations, matmuls on slices widened one at a time for others"
+                    if tiles else "matmuls on slices widened one at a time")
     else:
         logger.info("fp8 weights: one byte a weight, dequantized a slice at a time into dense matmuls (no qwenserve "
                     "kernels on this device)")
