@@ -295,6 +295,31 @@ def test_engine_greedy_tokens_are_the_reference_models(tmp_path):
     assert_hf_greedy(ref, prompts, greedy_tokens(llm, prompts))
 
 
+def test_lora_adapters_on_fp8_layers_match_peft_on_the_dequantized_weights(tmp_path):
+    """A PEFT adapter on all seven projections of an FP8 checkpoint's model: qwenserve's greedy tokens and logits (the
+    FP8 layers on our kernels, the adapter's products added to theirs) are PEFT's on the dequantized reference, in a
+    batch beside a request without the adapter, which stays the base model's."""
+    from test_lora import ATTENTION, MLP, make_adapter, reference
+
+    from qwenserve import LoRARequest
+    ref = write_fp8(tmp_path / "block", qwen3(), "block")
+    peft_model = make_adapter(ref, str(tmp_path / "adapter"), seed=3, r=4, lora_alpha=8,
+                              target_modules=ATTENTION + MLP)
+    llm = LLM(str(tmp_path / "block"), dtype="float32", kv_cache_memory="8MiB", record_logits=True,
+              enable_lora=True, max_lora_rank=4)
+    prompts = [list(range(3, 40)), list(range(7, 12))]  # a prompt past 32 rows (prefill's route) and a short one
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    adapter = LoRARequest("fp8-adapter", 1, str(tmp_path / "adapter"))
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts + prompts[:1]], params, use_tqdm=False,
+                        lora_request=[adapter, adapter, None])
+    for out, ids, model in zip(outs, prompts + prompts[:1], [peft_model, peft_model, ref]):
+        with torch.no_grad():
+            tokens, logits = reference(model, ids, params.max_tokens)
+        assert out.outputs[0].token_ids == tokens
+        torch.testing.assert_close(torch.stack(out.outputs[0].logits), logits, atol=2e-4, rtol=0)
+    assert not torch.equal(outs[0].outputs[0].logits[0], outs[2].outputs[0].logits[0])
+
+
 def fp8_moe(kind):
     """A tiny MoE model whose experts' shapes leave partial 128x128 blocks (160 and 192)."""
     from test_moe import tiny_moe
