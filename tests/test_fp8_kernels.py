@@ -154,6 +154,24 @@ def test_fp8_linear_routes_agree_with_the_dequantized_weight(ops, monkeypatch, r
         assert (got.double() - want).abs().max().item() <= tol, kernels
 
 
+@pytest.mark.parametrize("table, tiles_from", [("AVX512_BF16", 32), ("AMX", None), ("PORTABLE", None)])
+def test_fp8_prefill_takes_the_tiles_where_the_cpus_table_says(ops, monkeypatch, table, tiles_from):
+    """With tiles in the kernels, bf16 rows from fp8_tiles_from_rows go to fp8_mm on the avx512_bf16 class; the amx
+    class (oneDNN on AMX tiles) and float32 rows keep the widened slices."""
+    from types import SimpleNamespace
+
+    from qwenserve.config import tuning
+    monkeypatch.setattr(fp8, "this_cpu_tuning", lambda: getattr(tuning, table))
+    calls = []
+    spy = SimpleNamespace(fp8_tiles=lambda: True, fp8_dequantize=ops.fp8_dequantize,
+                          fp8_mm=lambda out, x, *rest: calls.append(x.shape[0]) or ops.fp8_mm(out, x, *rest))
+    codes, scales = quantize_blocks(torch.randn(40, 64), (128, 128))
+    scales = scales.repeat_interleave(128, 0)[:40]
+    for rows, dtype in ((31, torch.bfloat16), (32, torch.bfloat16), (70, torch.bfloat16), (70, torch.float32)):
+        fp8_linear(spy, codes, scales, 128, torch.randn(rows, 64).to(dtype))
+    assert calls == [31] + ([32, 70] if tiles_from == 32 else [])
+
+
 def test_fp8_linear_keeps_leading_dimensions(ops):
     codes, scales = quantize_blocks(torch.randn(16, 64), (128, 128))
     x = torch.randn(2, 3, 64)

@@ -67,6 +67,7 @@ def test_each_class_chooses_the_measured_thresholds(name):
             activation_levels(torch.float16, table)) == (2, 1, 1)
     assert (table.dense_slice_weights, table.mlp_rows_per_pass) == (1 << 20, 512)
     assert (table.pipelined_step_tokens, table.head_cost_share) == (512, 0.6)
+    assert table.fp8_tiles_from_rows == (32 if name == "avx512_bf16" else sys.maxsize)
 
 
 def test_without_the_tile_kernel_the_table_is_not_asked():

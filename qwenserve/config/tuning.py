@@ -63,6 +63,9 @@ class CPUTuning:
     pipelined_step_tokens: int
     # the LM head's weights count at this share when pipeline stages are balanced (tuning.md#head-cost-share)
     head_cost_share: float
+    # FP8 layers run bf16 activations on fp8_mm's tiles from this many rows, where the kernels have them; below
+    # (and where the CPU multiplies bf16 faster on AMX) as before (tuning.md#fp8-tiles-from-rows)
+    fp8_tiles_from_rows: int
 
 
 PORTABLE = CPUTuning(
@@ -82,12 +85,13 @@ PORTABLE = CPUTuning(
     mlp_rows_per_pass=512,
     pipelined_step_tokens=512,
     head_cost_share=0.6,
+    fp8_tiles_from_rows=NEVER,
 )
 AVX512_BF16 = dataclasses.replace(PORTABLE, feature_class="avx512_bf16", dense_from_rows_bfloat16=32,
-                                  dense_dtype_bfloat16=torch.bfloat16)
+                                  dense_dtype_bfloat16=torch.bfloat16, fp8_tiles_from_rows=32)
 AMX = dataclasses.replace(AVX512_BF16, feature_class="amx", tiles_dense_from_rows_32_blocks=128,
                           amx_tiles_dense_from_rows_32_blocks=512, tiles_dense_from_rows_k_quants=96,
-                          amx_tiles_dense_from_rows_k_quants=512)
+                          amx_tiles_dense_from_rows_k_quants=512, fp8_tiles_from_rows=NEVER)
 TUNING_BY_CLASS = {t.feature_class: t for t in (AMX, AVX512_BF16, PORTABLE)}
 
 

@@ -20,8 +20,8 @@ modules_to_not_convert, compressed-tensors' ignore) are made dense when the mode
 
 apply() keeps the weights one byte each: below WIDEN_IN_REGISTERS_BELOW_ROWS activation rows (decode, batched
 decode, speculative verify) our fp8_mm widens the codes in registers inside its dot products (kernels/cpu/dense.cpp);
-from there (prefill) bf16 activations on CPUs with AVX512-BF16 run on fp8_mm's tiles (codes widened once per panel
-of 32 weight rows), and elsewhere slices of about a million weights are widened one at a time (fp8_dequantize) and
+from there (prefill) bf16 activations on CPUs with AVX512-BF16 and no AMX run on fp8_mm's tiles (codes widened once
+per panel of 32 weight rows), and elsewhere slices of about a million weights are widened one at a time (fp8_dequantize) and
 multiplied by dense matmuls, in float32 where the CPU has no bf16 arithmetic. Activations stay in the run dtype
 (weight-only, W8A16, as vLLM runs FP8 on the CPU), except where the checkpoint has static input scales: those were
 calibrated for inputs quantized to e4m3 with them, and the layer quantizes its input so (x / s saturated at +-448,
@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qwenserve.config.tuning import this_cpu_tuning
 from qwenserve.kernels import cpu_ops_for
 from qwenserve.model.layers.linear import (WIDEN_IN_REGISTERS_BELOW_ROWS, LinearMethod, UnquantizedLinearMethod,
                                            variant_has_bf16)
@@ -397,9 +398,11 @@ def fp8_linear(ops, codes: torch.Tensor, scales: torch.Tensor, group: int, x: to
 
 
 def runs_on_tiles(ops, rows: torch.Tensor, group: int) -> bool:
-    """Whether fp8_mm runs these many activation rows on its own tiles (bf16 activations on AVX512-BF16 builds,
-    whole pairs of input columns in every scale group)."""
-    return rows.dtype == torch.bfloat16 and rows.shape[1] % 2 == 0 and group % 2 == 0 and ops.fp8_tiles()
+    """Whether fp8_mm runs these many activation rows on its own tiles: bf16 activations on AVX512-BF16 builds, whole
+    pairs of input columns in every scale group, and as many rows as this CPU's table says (not on AMX CPUs, where
+    oneDNN multiplies the widened slices on AMX tiles)."""
+    return (rows.dtype == torch.bfloat16 and rows.shape[0] >= this_cpu_tuning().fp8_tiles_from_rows
+            and rows.shape[1] % 2 == 0 and group % 2 == 0 and ops.fp8_tiles())
 
 
 def fp8_ops(device: torch.device):
