@@ -403,6 +403,58 @@ def test_online_fp8_quantizes_experts_as_a_block_checkpoint_holds_them(tmp_path,
     assert torch.nn.functional.cosine_similarity(got, want, dim=-1).median() > 0.985
 
 
+@pytest.mark.multiproc
+@pytest.mark.parametrize("source", ["block", "online"])
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp", "ep"])
+def test_fp8_experts_split_over_two_ranks_equal_one_process(tmp_path, source, expert_parallel):
+    """Qwen2-MoE (shared expert included) with FP8 experts, a block checkpoint's or quantized at load, over two
+    tensor-parallel ranks (every expert's FFN split) or two expert-parallel ranks (whole experts): every rank's
+    logits are one process's. The row-parallel inputs split at a block boundary (128 of 256 columns), as block
+    scales need (test_a_rank_refuses_block_scales_split_inside_a_block)."""
+    from helpers import PROMPTS, tensor_parallel_logits
+    from test_moe import tiny_moe
+    hf = tiny_moe("qwen2_moe", seed=13, hidden_size=256, moe_intermediate_size=256, shared_expert_intermediate_size=256,
+                  num_hidden_layers=2, num_experts=4, num_attention_heads=4, num_key_value_heads=2,
+                  norm_topk_prob=True)
+    if source == "block":
+        write_fp8(tmp_path / "m", hf, "block")
+        path, quantization = str(tmp_path / "m"), "fp8"
+    else:
+        path, quantization = save_hf_dir(hf, str(tmp_path / "m")), "fp8"
+    expected = full_logits(LoadedModel(path, dtype="float32", quantization=quantization).model, PROMPTS[3])
+    results = tensor_parallel_logits(path, 2, PROMPTS[3], quantization, expert_parallel=expert_parallel)
+    for rank in range(2):
+        torch.testing.assert_close(torch.from_numpy(results[rank]), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_a_rank_refuses_block_scales_split_inside_a_block():
+    """Columns 80-159 of a block checkpoint (experts of 160 inputs at tensor_parallel_size 2) would start inside a
+    128-column scale block: the rank refuses, saying what to choose."""
+    from qwenserve.model.layers.quantization.fp8 import FP8Config, fill_scales
+    config = FP8Config.from_fp8_config(BLOCK_CONFIG)
+    with pytest.raises(ValueError, match="input columns start at 80, inside a 128-column scale block: choose a "
+                                         "tensor_parallel_size"):
+        fill_scales(config, torch.zeros(192, 1), torch.ones(2, 2), 0, 192, 0, 80, 80, exact=False)
+
+
+def test_online_quantization_of_a_ranks_part_is_the_whole_tensors():
+    """A tensor-parallel rank's part of a dense tensor, quantized at load: rows cut anywhere and columns cut at a block
+    boundary hold exactly the codes and scales one process makes of the whole tensor; columns cut inside a block are
+    quantized as a tensor of their own (their groups cannot be the whole tensor's blocks)."""
+    from qwenserve.model.layers.quantization.fp8 import quantize_online, quantize_online_slice
+    weight = torch.randn(320, 300, generator=torch.Generator().manual_seed(4)) * torch.linspace(0.1, 3, 320)[:, None]
+    codes, scales = quantize_online(weight, (128, 128))
+    for rows, cols in ((slice(64, 128), slice(0, 300)), (slice(96, 224), slice(128, 300)),
+                       (slice(0, 320), slice(0, 128)), (slice(250, 320), slice(128, 256))):
+        got_codes, got_scales = quantize_online_slice(weight, rows, cols, (128, 128))
+        groups = -(-(cols.stop - cols.start) // 128)
+        assert torch.equal(got_codes, codes[rows, cols]), (rows, cols)
+        assert torch.equal(got_scales, scales[rows, cols.start // 128:cols.start // 128 + groups]), (rows, cols)
+    alone = quantize_online(weight[64:128, 80:160], (128, 128))
+    got = quantize_online_slice(weight, slice(64, 128), slice(80, 160), (128, 128))
+    assert torch.equal(got[0], alone[0]) and torch.equal(got[1], alone[1])
+
+
 def test_online_fp8_in_bf16_is_close_to_bf16(tmp_path):
     dense = save_hf_dir(qwen3(), str(tmp_path / "dense"))
     got = full_logits(LoadedModel(dense, dtype="bfloat16", quantization="fp8").model, IDS)

@@ -27,7 +27,7 @@ from qwenserve.config.tuning import this_cpu_tuning
 from qwenserve.distributed.layout import check_expert_split, local_experts
 from qwenserve.distributed.tensor_parallel import TensorParallel
 from qwenserve.model.layers.quantization.fp8 import (E4M3, expert_config, fill_scales, fp8_linear, fp8_ops, load_codes,
-                                                     quantize_online)
+                                                     quantize_online_slice)
 from qwenserve.model.layers.quantization.ggml_blocks import activation_levels
 from qwenserve.model.layers.quantization.gguf_experts import ExpertBlockCollector, expert_kernels
 
@@ -83,18 +83,21 @@ class _ExpertProjection(nn.Module):
             if self.online_scales is None:
                 loaded = load_codes(self.fp8, loaded)
             param = nn.Parameter(param.data.view(torch.uint8), requires_grad=False)
+        whole = loaded
         if self.fused_gate_up:  # rows [shard * I, (shard + 1) * I) take this rank's rows of gate or up
             size = param.shape[0] // 2
             rows = slice(shard_id * size, (shard_id + 1) * size)
+            part = (slice(self.tp.rank * size, (self.tp.rank + 1) * size), slice(0, loaded.shape[1]))
             loaded = loaded.narrow(0, self.tp.rank * size, size)
         else:  # down_proj: this rank's columns
             rows, size = slice(None), param.shape[1]
+            part = (slice(0, loaded.shape[0]), slice(self.tp.rank * size, (self.tp.rank + 1) * size))
             loaded = loaded.narrow(1, self.tp.rank * size, size)
         target = param.data[rows]
         if target.shape != loaded.shape:
             raise ValueError(f"expert weight of shape {tuple(loaded.shape)} does not fit {tuple(target.shape)}")
-        if self.online_scales is not None:  # this rank's slice quantized alone, as a linear layer's is
-            loaded, self.online_scales[rows] = quantize_online(loaded, self.fp8.block)
+        if self.online_scales is not None:  # this rank's part of the blocks one process makes, as a linear layer's
+            loaded, self.online_scales[rows] = quantize_online_slice(whole, *part, self.fp8.block)
         target.copy_(loaded)
 
 
@@ -133,16 +136,20 @@ def _drop(param: nn.Parameter, loaded, shard_id=None) -> None:
 
 
 class _OtherRanksExpert(nn.Module):
-    """An expert another rank holds: empty placeholders, so that the checkpoint still has to provide it (as on one
-    rank) and its tensors are dropped as they load."""
+    """An expert another rank holds: empty placeholders (an FP8 checkpoint's scales too), so that the checkpoint
+    still has to provide it (as on one rank) and its tensors are dropped as they load."""
 
-    def __init__(self):
+    def __init__(self, fp8=None):
         super().__init__()
         for name in ("gate_up_proj", "down_proj"):
             proj = nn.Module()
             proj.weight = nn.Parameter(torch.empty(0), requires_grad=False)
             proj.weight.weight_loader = _drop
             proj.weight.takes_ggml_blocks = True  # blocks stay a view of the file, never dequantized to be dropped
+            if fp8 is not None and not fp8.online:
+                scales = nn.Parameter(torch.empty(0), requires_grad=False)
+                scales.weight_loader = _drop
+                setattr(proj, fp8.scale_name, scales)
             self.add_module(name, proj)
 
 
@@ -191,7 +198,7 @@ class FusedExperts(nn.Module):
         for e in range(num_experts):
             slot = e - self.first_expert
             if not 0 <= slot < local:
-                self.add_module(str(e), _OtherRanksExpert())
+                self.add_module(str(e), _OtherRanksExpert(self.fp8))
             elif self.ops is not None:
                 self.add_module(str(e), _ExpertOfBlocks(self.collector, slot))
             else:

@@ -21,11 +21,11 @@ modules_to_not_convert, compressed-tensors' ignore) are made dense when the mode
 apply() keeps the weights one byte each: below WIDEN_IN_REGISTERS_BELOW_ROWS activation rows (decode, batched
 decode, speculative verify) our fp8_mm widens the codes in registers inside its dot products (kernels/cpu/dense.cpp);
 from there (prefill) bf16 activations on CPUs with AVX512-BF16 and no AMX run on fp8_mm's tiles (codes widened once
-per panel of 32 weight rows), and elsewhere slices of about a million weights are widened one at a time (fp8_dequantize) and
-multiplied by dense matmuls, in float32 where the CPU has no bf16 arithmetic. Activations stay in the run dtype
-(weight-only, W8A16, as vLLM runs FP8 on the CPU), except where the checkpoint has static input scales: those were
-calibrated for inputs quantized to e4m3 with them, and the layer quantizes its input so (x / s saturated at +-448,
-rounded to e4m3, times s), as vLLM's static FP8 path does."""
+per panel of 32 weight rows), and elsewhere slices of about a million weights are widened one at a time
+(fp8_dequantize) and multiplied by dense matmuls, in float32 where the CPU has no bf16 arithmetic. Activations stay
+in the run dtype (weight-only, W8A16, as vLLM runs FP8 on the CPU), except where the checkpoint has static input
+scales: those were calibrated for inputs quantized to e4m3 with them, and the layer quantizes its input so (x / s
+saturated at +-448, rounded to e4m3, times s), as vLLM's static FP8 path does."""
 from __future__ import annotations
 
 import functools
@@ -213,6 +213,21 @@ def quantize_online(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch
     return codes.view(torch.uint8), scales.repeat_interleave(block[0], 0)[:weight.shape[0]]
 
 
+def quantize_online_slice(weight: torch.Tensor, rows: slice, cols: slice,
+                          block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_online of weight[rows, cols], one tensor-parallel rank's part: where the part's columns start on a
+    block boundary its scale groups are the whole tensor's blocks, so the blocks it touches are quantized whole and the
+    part is cut from them (every rank then holds what one process holds); elsewhere the part is quantized alone."""
+    bn, bk = block
+    if cols.start % bk:
+        return quantize_online(weight[rows, cols], block)
+    r0 = rows.start - rows.start % bn
+    r1, c1 = min(weight.shape[0], -(-rows.stop // bn) * bn), min(weight.shape[1], -(-cols.stop // bk) * bk)
+    codes, scales = quantize_online(weight[r0:r1, cols.start:c1], block)
+    rows_here = slice(rows.start - r0, rows.stop - r0)
+    return codes[rows_here, :cols.stop - cols.start], scales[rows_here, :-(-(cols.stop - cols.start) // bk)]
+
+
 def quantize_input_static(x: torch.Tensor, scale: float) -> torch.Tensor:
     """x as a static per-tensor FP8 input scale quantizes it: e4m3(x / scale), saturated, times scale."""
     codes = (x.float() / scale).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
@@ -355,7 +370,8 @@ class FP8LinearMethod(LinearMethod):
         fits = loaded.dim() == 2 and loaded.shape[0] >= start + size and loaded.shape[1] >= in_start + in_size
         if not fits or (layer.tp.size == 1 and tuple(loaded.shape) != (size, in_size)):
             raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, the model expects {(size, in_size)}")
-        codes, scales = quantize_online(loaded[start:start + size, in_start:in_start + in_size], self.config.block)
+        codes, scales = quantize_online_slice(loaded, slice(start, start + size), slice(in_start, in_start + in_size),
+                                              self.config.block)
         param.data[offset:offset + size].view(torch.uint8).copy_(codes)
         layer.fp8_scales[offset:offset + size] = scales
 
