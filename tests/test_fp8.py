@@ -320,6 +320,30 @@ def test_lora_adapters_on_fp8_layers_match_peft_on_the_dequantized_weights(tmp_p
     assert not torch.equal(outs[0].outputs[0].logits[0], outs[2].outputs[0].logits[0])
 
 
+def test_seeded_samples_of_an_fp8_checkpoint_are_the_modules_and_independent_of_the_batch(ops, tmp_path,
+                                                                                           fused_steps):
+    """Seeded sampling (n=3, temperature, top_p) in bf16 on a block FP8 checkpoint, its 40-token prompt long enough
+    for prefill's route (fp8_mm's tiles where the CPU has AVX512-BF16): the one-call decode draws the modules' samples
+    (enforce_eager), the three samples differ, and the request draws the same tokens alone and beside others."""
+    write_fp8(tmp_path / "block", qwen3(), "block")
+    seeded = SamplingParams(n=3, temperature=0.9, top_p=0.95, max_tokens=12, seed=5, ignore_eos=True)
+    noisy = SamplingParams(temperature=1.2, max_tokens=12, ignore_eos=True)
+    prompts = [list(range(3, 43)), list(range(20, 60)), list(range(7, 19))]
+
+    def samples(eager, with_others):
+        llm = LLM(str(tmp_path / "block"), dtype="bfloat16", kv_cache_memory="8MiB", enforce_eager=eager)
+        requests = [{"prompt_token_ids": p} for p in (prompts if with_others else prompts[1:2])]
+        outs = llm.generate(requests, [noisy, seeded, noisy] if with_others else [seeded], use_tqdm=False)
+        return [list(c.token_ids) for c in outs[1 if with_others else 0].outputs]
+    alone = samples(eager=False, with_others=False)
+    assert max(fused_steps) > 1, "the decode steps did not take the one-call path"
+    assert len({tuple(s) for s in alone}) == 3
+    assert samples(eager=False, with_others=True) == alone
+    fused_steps.clear()
+    assert samples(eager=True, with_others=False) == alone
+    assert not any(fused_steps)
+
+
 def fp8_moe(kind):
     """A tiny MoE model whose experts' shapes leave partial 128x128 blocks (160 and 192)."""
     from test_moe import tiny_moe
