@@ -613,6 +613,19 @@ def fused_steps(monkeypatch):
     return steps
 
 
+def assert_seeded_samples_agree(samples, fused_steps):
+    """samples(eager, with_others) -> a seeded request's n = 3 samples, run alone or beside other requests, with the
+    one-call decode or the modules (enforce_eager): the one-call decode ran and drew the modules' samples, the three
+    differ, and the request draws the same alone and in a batch."""
+    alone = samples(eager=False, with_others=False)
+    assert max(fused_steps) > 1, "the decode steps did not take the one-call path"
+    assert len({tuple(s) for s in alone}) == 3
+    assert samples(eager=False, with_others=True) == alone
+    fused_steps.clear()
+    assert samples(eager=True, with_others=False) == alone
+    assert not any(fused_steps)
+
+
 def variant_params():
     """Every kernel variant of this architecture, as pytest params; those beyond the one this process runs by
     default compile libraries of their own where none is prebuilt (marked `kernels`)."""

@@ -17,8 +17,8 @@ import os
 
 import pytest
 import torch
-from helpers import (assert_hf_greedy, fused_steps, greedy_tokens, save_hf_dir, tiny_hf_model,  # noqa: F401
-                     tiny_qwen3)
+from helpers import (assert_hf_greedy, assert_seeded_samples_agree, fused_steps, greedy_tokens,  # noqa: F401
+                     save_hf_dir, tiny_hf_model, tiny_qwen3)
 from safetensors.torch import load_file, save_file
 
 from qwenserve import LLM, SamplingParams
@@ -335,13 +335,7 @@ def test_seeded_samples_of_an_fp8_checkpoint_are_the_modules_and_independent_of_
         requests = [{"prompt_token_ids": p} for p in (prompts if with_others else prompts[1:2])]
         outs = llm.generate(requests, [noisy, seeded, noisy] if with_others else [seeded], use_tqdm=False)
         return [list(c.token_ids) for c in outs[1 if with_others else 0].outputs]
-    alone = samples(eager=False, with_others=False)
-    assert max(fused_steps) > 1, "the decode steps did not take the one-call path"
-    assert len({tuple(s) for s in alone}) == 3
-    assert samples(eager=False, with_others=True) == alone
-    fused_steps.clear()
-    assert samples(eager=True, with_others=False) == alone
-    assert not any(fused_steps)
+    assert_seeded_samples_agree(samples, fused_steps)
 
 
 def fp8_moe(kind):

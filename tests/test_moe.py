@@ -24,8 +24,8 @@ from qwenserve.model.layers.moe import FusedExperts, TopKRouter
 from qwenserve.model.loader.ggml_tensor import DECODE_GROUP, GGMLTensor
 from qwenserve.model.models.qwen2_moe import MoEConfig
 
-from helpers import (PROMPTS, assert_hf_greedy, fused_steps, greedy_tokens, randomize, save_gguf,  # noqa: F401
-                     save_hf_dir, tensor_parallel_logits, tiny_vocab)
+from helpers import (PROMPTS, assert_hf_greedy, assert_seeded_samples_agree, fused_steps,  # noqa: F401
+                     greedy_tokens, randomize, save_gguf, save_hf_dir, tensor_parallel_logits, tiny_vocab)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
@@ -126,13 +126,7 @@ def test_seeded_samples_on_blocks_are_the_modules_and_independent_of_the_batch(o
         params = [noisy, seeded, noisy] if with_others else [seeded]
         outs = llm.generate(requests, params, use_tqdm=False)
         return [list(c.token_ids) for c in outs[1 if with_others else 0].outputs]
-    alone = samples(eager=False, with_others=False)
-    assert max(fused_steps) > 1, "the decode steps did not take the one-call path"
-    assert len({tuple(s) for s in alone}) == 3
-    assert samples(eager=False, with_others=True) == alone
-    fused_steps.clear()
-    assert samples(eager=True, with_others=False) == alone
-    assert not any(fused_steps)
+    assert_seeded_samples_agree(samples, fused_steps)
 
 
 def test_experts_group_tokens_as_a_per_token_loop():
