@@ -288,6 +288,44 @@ def test_compressed_tensors_ignore_takes_regular_expressions(tmp_path):
     torch.testing.assert_close(full_logits(model, IDS), hf_logits(ref), atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("names", ["published", "transformers5"])
+def test_qwen2_5_vl_checkpoint_with_its_tower_and_a_layer_left_dense(tmp_path, names):
+    """Qwen2.5-VL as llm-compressor writes it in FP8: the language model's projections block-wise, the vision tower
+    (whose MLP has gate / up / down_proj too) and one language layer left dense by the ignore list, whose names are
+    the checkpoint's own (as published, or transformers 5's model.language_model.* / model.visual.*). Text logits are
+    the HF model's on the dequantized weights."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+    from vl_helpers import save_hf_vl_dir, tiny_hf_vl_model
+    hf = tiny_hf_vl_model("qwen2_5_vl", seed=3)
+    path = save_hf_vl_dir(hf, str(tmp_path / "vl"))
+    file = os.path.join(path, "model.safetensors")
+    dense = load_file(file)
+    tower = tuple(name.removesuffix(".weight") for name in dense if name.startswith("visual."))
+    state, reference, _ = quantize_state(hf, dense, "ct-block", ignore=tower + ("model.layers.0.mlp.down_proj",))
+    assert any(name.startswith("visual.") and name.endswith("gate_proj.weight") for name in dense)
+    ignore = ("lm_head", "re:visual.*", "model.layers.0.mlp.down_proj")
+    if names == "transformers5":
+        rename = {"model.": "model.language_model.", "visual.": "model.visual."}
+        state = {next((new + name[len(old):] for old, new in rename.items() if name.startswith(old)), name): tensor
+                 for name, tensor in state.items()}
+        ignore = ("lm_head", "re:model.visual.*", "model.language_model.layers.0.mlp.down_proj")
+    save_file(state, file)
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = ct_config("block", ignore=ignore)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    reference_dir = save_hf_vl_dir(hf, str(tmp_path / "reference"))
+    save_file(reference, os.path.join(reference_dir, "model.safetensors"))
+    ref = Qwen2_5_VLForConditionalGeneration.from_pretrained(reference_dir, dtype=torch.float32).eval()
+
+    model = LoadedModel(path, dtype="float32", quantization=None).model
+    assert projection(model, 0, "down_proj").weight.dtype == torch.float32
+    assert projection(model, 1, "down_proj").weight.dtype == E4M3
+    assert projection(model, 0, "gate_up_proj").weight.dtype == E4M3
+    torch.testing.assert_close(full_logits(model, IDS), hf_logits(ref), atol=2e-5, rtol=1e-5)
+
+
 def test_engine_greedy_tokens_are_the_reference_models(tmp_path):
     ref = write_fp8(tmp_path / "block", qwen3(), "block")
     llm = LLM(str(tmp_path / "block"), dtype="float32", kv_cache_memory="8MiB")

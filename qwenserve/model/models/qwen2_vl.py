@@ -54,6 +54,14 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
             return name if self.visual is not None else None
         return super().checkpoint_target(name)
 
+    def checkpoint_names(self, name: str) -> tuple[str, ...]:
+        """The names a checkpoint may give module `name` (a quantization config's ignore list names layers so):
+        the published one and transformers 5's."""
+        for new, published in _RENAMES:
+            if name.startswith(published):
+                return name, new + name[len(published):]
+        return (name,)
+
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
 

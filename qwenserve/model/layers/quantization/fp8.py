@@ -324,15 +324,17 @@ class FP8LinearMethod(LinearMethod):
             layer.input_scale.weight_loader = functools.partial(self._load_input_scale, layer)
 
     def named(self, layer: nn.Module, checkpoint_names: dict) -> None:
-        """Told the checkpoint name of each of the layer's shards: a layer the config leaves unquantized becomes a
-        dense one (all its shards, or none: one fused layer holds one format)."""
+        """Told the checkpoint names of each of the layer's shards (shard -> the names a checkpoint may give it):
+        a layer the config leaves unquantized becomes a dense one (all its shards, or none: one fused layer holds
+        one format)."""
         if self.config.online:
             return
-        skipped = [name for name in checkpoint_names.values() if ignored(name, self.config.ignore)]
+        skipped = [names[0] for names in checkpoint_names.values()
+                   if any(ignored(name, self.config.ignore) for name in names)]
         if not skipped:
             return
         if len(skipped) < len(checkpoint_names):
-            kept = [name for name in checkpoint_names.values() if name not in skipped]
+            kept = [names[0] for names in checkpoint_names.values() if names[0] not in skipped]
             raise ValueError(f"{self.config.source}: quantization_config leaves {', '.join(skipped)} unquantized but "
                              f"not {', '.join(kept)}; qwenserve holds them as one fused layer, in one format")
         for name in [name for name, _ in layer.named_parameters(recurse=False) if name != "bias"]:
