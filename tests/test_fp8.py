@@ -325,6 +325,21 @@ def test_qwen2_5_vl_checkpoint_with_its_tower_and_a_layer_left_dense(tmp_path, n
     assert projection(model, 0, "gate_up_proj").weight.dtype == E4M3
     torch.testing.assert_close(full_logits(model, IDS), hf_logits(ref), atol=2e-5, rtol=1e-5)
 
+def test_a_qwen2_vl_checkpoint_with_an_fp8_tower_is_refused(tmp_path):
+    from vl_helpers import save_hf_vl_dir, tiny_hf_vl_model
+    hf = tiny_hf_vl_model("qwen2_5_vl", seed=3)
+    path = save_hf_vl_dir(hf, str(tmp_path / "vl"))
+    file = os.path.join(path, "model.safetensors")
+    save_file(quantize_state(hf, load_file(file), "block")[0], file)  # the tower's gate / up / down_proj too
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = BLOCK_CONFIG
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ConfigError, match=r"visual\.blocks\.0\.mlp\.\w+_proj\.weight_scale_inv: the checkpoint "
+                                           r"quantizes the vision tower, which qwenserve runs dense"):
+        LoadedModel(path, dtype="float32", quantization=None)
+
 
 def test_engine_greedy_tokens_are_the_reference_models(tmp_path):
     ref = write_fp8(tmp_path / "block", qwen3(), "block")

@@ -51,6 +51,9 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
             if name.startswith(new):
                 name = published + name[len(new):]
         if name.startswith("visual."):
+            if name.endswith(("weight_scale", "weight_scale_inv", "input_scale")):
+                raise ConfigError(f"{name}: the checkpoint quantizes the vision tower, which qwenserve runs dense; "
+                                  f"use a checkpoint whose quantization_config leaves visual.* unquantized")
             return name if self.visual is not None else None
         return super().checkpoint_target(name)
 
