@@ -39,6 +39,10 @@
 #include "ops.h"
 #include "vec.h"
 
+#if QS_X86_AVX512_BF16
+#include "arch/x86/dequantize.h"  // store16: bf16 rounding as from_float
+#endif
+
 #if QS_X86_AVX2
 #include <immintrin.h>
 #endif
@@ -291,15 +295,12 @@ void dot_rows_pairs(const uint8_t* w, int64_t ldw, const float* scales, int64_t 
 }
 #endif
 
-// f(std::integral_constant<int, r>) for r = 1 .. kActivationRows: the dot products keep a compile-time row count
-template <typename F>
+// f(std::integral_constant<int, r>) for r = 1 .. Max: the dot products and tiles keep a compile-time row count
+template <int Max = kActivationRows, typename F>
 inline void with_rows(int r, F f) {
-  switch (r) {
-    case 4: return f(std::integral_constant<int, 4>{});
-    case 3: return f(std::integral_constant<int, 3>{});
-    case 2: return f(std::integral_constant<int, 2>{});
-    default: return f(std::integral_constant<int, 1>{});
-  }
+  if constexpr (Max > 1)
+    if (r < Max) return with_rows<Max - 1>(r, f);
+  f(std::integral_constant<int, Max>{});
 }
 
 // The weights of one matmul: rows of K weights; for FP8, a float32 scale per row and group of input columns
@@ -558,26 +559,19 @@ void panel_tile(const uint32_t* panel, const float* group_scales, const uint32_t
   }
 }
 
-// f(std::integral_constant<int, r>) for r = 1 .. kTileRows
-template <int R = kTileRows, typename F>
-inline void with_tile_rows(int r, F f) {
-  if constexpr (R > 1)
-    if (r < R) return with_tile_rows<R - 1>(r, f);
-  f(std::integral_constant<int, R>{});
-}
-
 // dst[j] = v[j] (+ bias[j]) rounded to bf16 as from_float rounds, j < cols (<= 32)
 inline void store_panel_row(c10::BFloat16* dst, const float* v, const float* bias, int64_t cols) {
   for (int h = 0; h < 2 && cols > 16 * h; ++h) {
     __m512 f = _mm512_loadu_ps(v + 16 * h);
     if (bias) f = _mm512_add_ps(f, _mm512_loadu_ps(bias + 16 * h));
-    const __m512i u = _mm512_castps_si512(f), one = _mm512_set1_epi32(1);
-    __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)),
-                                       _mm512_and_si512(_mm512_srli_epi32(u, 16), one));
-    rounded = _mm512_mask_mov_epi32(_mm512_srli_epi32(rounded, 16), _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q),
-                                    _mm512_set1_epi32(0x7FC0));
     const int64_t n = std::min<int64_t>(16, cols - 16 * h);
-    _mm256_mask_storeu_epi16(dst + 16 * h, static_cast<__mmask16>((1u << n) - 1), _mm512_cvtepi32_epi16(rounded));
+    if (n == 16) {
+      ggml::x86::store16(dst + 16 * h, f);
+    } else {
+      c10::BFloat16 rounded[16];
+      ggml::x86::store16(rounded, f);
+      std::copy(rounded, rounded + n, dst + 16 * h);
+    }
   }
 }
 
@@ -636,7 +630,7 @@ bool fp8_mm_tiles(at::Tensor& out, const at::Tensor& x, const WeightRows& weight
       }
       for (int64_t m = 0; m < M; m += kTileRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kTileRows, M - m));
-        with_tile_rows(rows, [&](auto r) {
+        with_rows<kTileRows>(rows, [&](auto r) {
           panel_tile<r()>(panel.data(), group_scales.data(), xp + m * pairs, pairs, pairs, group / 2, total);
         });
         for (int r = 0; r < rows; ++r)
