@@ -661,6 +661,41 @@ def test_checkpoint_kv_scales_are_the_caches_scales(tmp_path, cache_dtype):
             assert torch.equal(codes.view(torch.uint8), want.view(torch.uint8))
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.int8])
+def test_per_head_kv_scales_scale_each_heads_codes(tmp_path, cache_dtype):
+    """compressed-tensors' attn_head strategy: k_scale / v_scale [kv_heads, 1, 1], one per kv head."""
+    path = str(tmp_path / "kv")
+    write_fp8(path, qwen3(), "block")
+    k, v = torch.tensor([0.011, 0.023]).view(2, 1, 1), torch.tensor([0.031, 0.004]).view(2, 1, 1)
+    _rewrite(path, lambda s: s.update({"model.layers.1.self_attn.k_scale": k, "model.layers.1.self_attn.v_scale": v}))
+    model = LoadedModel(path, dtype="float32", quantization=None).model
+    assert model.model.layers[0].self_attn.attn.kv_scales is None
+    assert model.model.layers[1].self_attn.attn.kv_scales == (tuple(k.flatten().tolist()), tuple(v.flatten().tolist()))
+    cache, kv = prefill_cache(model, cache_dtype)
+    top = torch.finfo(cache_dtype).max if cache_dtype.is_floating_point else 127
+    k_codes, v_codes, k_scales, v_scales = written(cache, 1)
+    for codes, stored, x, checkpoint_scales in ((k_codes, k_scales, kv[1][0], k), (v_codes, v_scales, kv[1][1], v)):
+        for head, checkpoint_scale in enumerate(checkpoint_scales.flatten().tolist()):
+            scale = torch.tensor(checkpoint_scale * 448 / top).bfloat16()
+            assert (stored[:, head] == scale).all()
+            want = (x[:, head] / scale.float()).clamp(-top, top)
+            want = want.to(cache_dtype) if cache_dtype.is_floating_point else want.round().to(cache_dtype)
+            assert torch.equal(codes[:, head].view(torch.uint8), want.view(torch.uint8))
+
+
+def test_a_rank_keeps_its_own_heads_kv_scales():
+    """Under tensor parallelism a rank's cache holds its kv heads only: it takes their scales, and a kv head
+    replicated over ranks (fewer kv heads than ranks) gives each of them its one scale."""
+    from qwenserve.model.layers.attention import Attention
+    scales = torch.tensor([0.01, 0.02, 0.03, 0.04]).view(4, 1, 1)
+    second_rank = Attention(0, num_heads=4, num_kv_heads=2, head_dim=8, scale=1.0, kv_heads=(4, 2))
+    second_rank.load_kv_scale("kv", scales)
+    assert second_rank.kv_scales == ((scales[2].item(), scales[3].item()),) * 2
+    replicated = Attention(0, num_heads=1, num_kv_heads=1, head_dim=8, scale=1.0, kv_heads=(4, 3))
+    replicated.load_kv_scale("v", scales)
+    assert replicated.kv_scales == (None, (scales[3].item(),))
+
+
 def test_compressed_tensors_kv_scales_are_the_projections_output_scales(tmp_path):
     path = str(tmp_path / "ct")
     write_fp8(path, qwen2(), "ct-channel")
@@ -687,12 +722,13 @@ def test_without_kv_scales_the_cache_scales_each_token(tmp_path):
 
 def test_kv_cache_dtype_fp8_generates_with_and_without_checkpoint_scales(tmp_path):
     ref = write_fp8(tmp_path / "plain", qwen3(), "block")
-    write_fp8(tmp_path / "scaled", qwen3(), "block")
     # scales well above the keys' range: the tokens stay the reference's (fp8's rounding aside)
-    _rewrite(str(tmp_path / "scaled"), lambda s: s.update({f"model.layers.{i}.self_attn.kv_scale": torch.tensor(0.05)
+    for name, scale in (("scaled", torch.tensor(0.05)), ("per_head", torch.tensor([0.05, 0.07]).view(2, 1, 1))):
+        write_fp8(tmp_path / name, qwen3(), "block")
+        _rewrite(str(tmp_path / name), lambda s: s.update({f"model.layers.{i}.self_attn.kv_scale": scale.clone()
                                                            for i in range(2)}))
     prompts = [list(range(3 + i, 14 + 3 * i)) for i in range(2)]
-    for name in ("plain", "scaled"):
+    for name in ("plain", "scaled", "per_head"):
         llm = LLM(str(tmp_path / name), dtype="float32", kv_cache_dtype="fp8", kv_cache_memory="8MiB")
         outputs = greedy_tokens(llm, prompts)
         assert all(len(out) == 10 for out in outputs)
@@ -706,7 +742,11 @@ def test_kv_cache_dtype_fp8_generates_with_and_without_checkpoint_scales(tmp_pat
 def test_bad_kv_scale_is_refused(tmp_path):
     path = str(tmp_path / "kv")
     write_fp8(path, qwen3(), "block")
-    _rewrite(path, lambda s: s.__setitem__("model.layers.0.self_attn.k_scale", torch.ones(2)))
-    with pytest.raises(WeightLoadError, match=r"model\.layers\.0\.self_attn\.k_scale: a KV cache scale must be one "
-                                              r"floating-point value \(per tensor\)"):
+    _rewrite(path, lambda s: s.__setitem__("model.layers.0.self_attn.k_scale", torch.ones(3)))
+    with pytest.raises(WeightLoadError, match=r"model\.layers\.0\.self_attn\.k_scale: a KV cache scale must be "
+                                              r"floating-point, one value \(per tensor\) or one per kv head \(2\), "
+                                              r"got torch.float32 \(3,\)"):
+        LoadedModel(path, dtype="float32", quantization=None)
+    _rewrite(path, lambda s: s.__setitem__("model.layers.0.self_attn.k_scale", torch.tensor([0.01, 0.0])))
+    with pytest.raises(WeightLoadError, match=r"k_scale: KV cache scale 0.0 must be positive and finite"):
         LoadedModel(path, dtype="float32", quantization=None)

@@ -39,15 +39,20 @@ KV_SCALE_DTYPE = torch.bfloat16
 E4M3_MAX = 448.0  # the largest float8_e4m3fn value, the range checkpoints' KV scales are calibrated for
 
 
-def quantize_kv(x: torch.Tensor, dtype: torch.dtype, static: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_kv(x: torch.Tensor, dtype: torch.dtype,
+                static: float | tuple[float, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """[..., head_dim] -> (codes in dtype, KV_SCALE_DTYPE scales [...]): scale = amax(|x|) / the code's largest
     value, rounded to the scale dtype, and codes x / scale (int8 rounded to nearest); a zero vector gets scale 0
-    and codes 0. static: a checkpoint's calibrated scale (k_scale / v_scale, made for e4m3 codes) in place of
-    amax / top, stretched to this dtype's range; values past it saturate."""
+    and codes 0. static: a checkpoint's calibrated scale (k_scale / v_scale, made for e4m3 codes), one for the
+    tensor or one per head (x's second-to-last dimension), in place of amax / top, stretched to this dtype's
+    range; values past it saturate."""
     x = x.float()
     top = torch.finfo(dtype).max if dtype.is_floating_point else torch.iinfo(dtype).max
     if static is None:
         scale = (x.abs().amax(dim=-1) / top).to(KV_SCALE_DTYPE)
+    elif isinstance(static, tuple):
+        per_head = torch.tensor([s * E4M3_MAX / top for s in static], dtype=KV_SCALE_DTYPE, device=x.device)
+        scale = per_head.expand(x.shape[:-1])
     else:
         scale = torch.full(x.shape[:-1], static * E4M3_MAX / top, dtype=KV_SCALE_DTYPE, device=x.device)
     y = x / torch.where(scale > 0, scale.float(), 1.0).unsqueeze(-1)
@@ -188,14 +193,20 @@ def decode_kernel_available(device: torch.device | str) -> bool:
 class Attention(nn.Module):
     """The attention of one layer: its heads and scale; its implementation is chosen once, here."""
 
-    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 kv_heads: tuple[int, int] | None = None):
+        """kv_heads: (the checkpoint's kv heads, the first of this rank's among them) under tensor parallelism;
+        None: this rank holds all num_kv_heads."""
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
+        self.checkpoint_kv_heads, self.first_kv_head = kv_heads or (num_kv_heads, 0)
         self.head_dim = head_dim
         self.scale = scale
-        self.kv_scales = None  # (k, v) scales from the checkpoint for a cache of codes (load_kv_scale); None: dynamic
+        # (k, v) scales from the checkpoint for a cache of codes (load_kv_scale), each a float (per tensor) or a
+        # tuple of this rank's heads' (per head); None: dynamic
+        self.kv_scales = None
         self._ops = cpu_ops_for(torch.empty(0).device)  # the device the model is being built on
         self._decode = self._decode_kernel if self._ops is not None else self._decode_sdpa
         # a prompt without cached context in a bf16 model (the default dtype while it is built): our flash kernel
@@ -219,13 +230,18 @@ class Attention(nn.Module):
         return out.reshape(q.shape[0], -1)
 
     def load_kv_scale(self, which: str, loaded: torch.Tensor) -> None:
-        """A checkpoint's per-tensor KV cache scale: which is "k", "v" or "kv" (one scale for both, older files)."""
-        if loaded.numel() != 1 or not loaded.is_floating_point():
-            raise ValueError(f"a KV cache scale must be one floating-point value (per tensor), got {loaded.dtype} "
-                             f"{tuple(loaded.shape)}")
-        value = float(loaded.reshape(()))
-        if not 0 < value < float("inf"):
-            raise ValueError(f"KV cache scale {value} must be positive and finite")
+        """A checkpoint's KV cache scale, one value (per tensor) or one per kv head (compressed-tensors' attn_head
+        strategy, [kv_heads, 1, 1]): which is "k", "v" or "kv" (one scale for both, older files)."""
+        heads = self.checkpoint_kv_heads
+        if loaded.numel() not in (1, heads) or not loaded.is_floating_point():
+            raise ValueError(f"a KV cache scale must be floating-point, one value (per tensor) or one per kv head "
+                             f"({heads}), got {loaded.dtype} {tuple(loaded.shape)}")
+        values = loaded.reshape(-1).tolist()
+        bad = [s for s in values if not 0 < s < float("inf")]
+        if bad:
+            raise ValueError(f"KV cache scale {bad[0]} must be positive and finite")
+        value = values[0] if len(values) == 1 else tuple(values[self.first_kv_head:
+                                                                 self.first_kv_head + self.num_kv_heads])
         k, v = self.kv_scales or (None, None)
         self.kv_scales = (value if which in ("k", "kv") else k, value if which in ("v", "kv") else v)
 

@@ -82,8 +82,8 @@ class DualChunkAttention(Attention):
     threshold), the parent's ordinary attention otherwise."""
 
     def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 dca: DualChunkConfig):
-        super().__init__(layer_idx, num_heads, num_kv_heads, head_dim, scale)
+                 dca: DualChunkConfig, kv_heads: tuple[int, int] | None = None):
+        super().__init__(layer_idx, num_heads, num_kv_heads, head_dim, scale, kv_heads)
         self.dca = dca
         self._flash = None
         if torch.empty(0).device.type == "cpu":

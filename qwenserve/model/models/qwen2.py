@@ -52,10 +52,11 @@ class Qwen2Attention(nn.Module):
         self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, bias=o_bias, tp=tp,
                                         linear_method=linear_method)
         scale = head_dim ** -0.5
+        kv_heads = (config.num_key_value_heads, self.qkv_proj.first_kv_head)  # per-head KV cache scales' slice
         if config.dual_chunk is not None:  # dual-chunk attention: its remapped rotary and its attention
             self.rotary_emb = DualChunkRotaryEmbedding(head_dim, config.rope_theta, config.dual_chunk)
             self.attn = DualChunkAttention(layer_idx, self.num_heads, self.num_kv_heads, head_dim, scale,
-                                           config.dual_chunk)
+                                           config.dual_chunk, kv_heads)
             return
         if config.mrope_section is None:
             self.rotary_emb = RotaryEmbedding(head_dim, max_position, config.rope_theta,
@@ -64,7 +65,7 @@ class Qwen2Attention(nn.Module):
             self.rotary_emb = MRotaryEmbedding(head_dim, max_position, config.rope_theta,
                                                config.max_position_embeddings, config.rope_scaling,
                                                config.mrope_section)
-        self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, head_dim, scale=scale)
+        self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, head_dim, scale=scale, kv_heads=kv_heads)
 
     @staticmethod
     def biases(config: ModelConfig) -> tuple[bool, bool]:
