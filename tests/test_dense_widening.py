@@ -112,3 +112,30 @@ def test_linear_layer_routes_under_avx2(avx2_process, monkeypatch, dtype):
 
 def test_float32_weights_keep_pytorch_matmul():
     assert widening_ops(torch.randn(4, 8)) is None
+
+
+def test_a_kept_bf16_weight_takes_dense_mm_for_few_rows(monkeypatch):
+    """A bf16 weight kept beside oneDNN's packed copy (a tied LM head) runs up to KEPT_WEIGHT_DENSE_MM_ROWS rows
+    through dense_mm's pair dot products, more through the packed copy; both as the float64 reference."""
+    layer = ColumnParallelLinear(96, 50, bias=False)
+    torch.manual_seed(4)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(50, 96))
+    layer.weight.data = layer.weight.data.bfloat16()
+    if not linear.cpu_weight_packing_available(layer.weight) or not linear.variant_has_bf16_pairs():
+        pytest.skip("the CPU or the kernel variant has no bf16 arithmetic: nothing is packed")
+    layer.weight_is_shared = True
+    layer.process_weights_after_loading()
+    assert layer.packed_weight is not None and layer.weight is not None and layer.kept_weight_ops is not None
+    calls = []
+    ops = layer.kept_weight_ops
+    monkeypatch.setattr(layer, "kept_weight_ops", type("Counting", (), {
+        "dense_mm": staticmethod(lambda *args: (calls.append(1), ops.dense_mm(*args)))})())
+    for rows in (1, linear.KEPT_WEIGHT_DENSE_MM_ROWS, linear.KEPT_WEIGHT_DENSE_MM_ROWS + 1, 40):
+        calls.clear()
+        x = torch.randn(rows, 96).bfloat16()
+        out = layer(x)
+        expected = reference(x, layer.weight, None)
+        assert out.dtype == torch.bfloat16 and out.shape == (rows, 50)
+        assert (out.double() - expected).abs().max().item() <= 1e-2 * expected.abs().max().item()
+        assert bool(calls) == (rows <= linear.KEPT_WEIGHT_DENSE_MM_ROWS)

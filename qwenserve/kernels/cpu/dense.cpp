@@ -7,7 +7,9 @@
 // (prefill) the caller widens slices of the weight (fp8_dequantize for FP8) and runs float32 or bf16 matmuls
 // instead (model/layers/linear.py, quantization/fp8.py), which one-row-at-a-time dot products cannot match, except
 // for FP8 codes against bf16 activations on AVX512-BF16, which fp8_mm runs on register tiles of its own from 32 rows
-// (fp8_mm_tiles below; fp8_tiles() says whether this build has them).
+// (fp8_mm_tiles below; fp8_tiles() says whether this build has them). On AVX512-BF16 builds bf16 weights against
+// bf16 activations skip the widening: the pair dot products take both as they are (a tied LM head kept beside
+// oneDNN's packed copy runs its decode rows here).
 //
 // dense_mm(out [M, N], x [M, K], w [N, K], bias [N] or None): out = x w^T + bias, summed in float32 and rounded once
 // to out's dtype. x and out share a dtype (float32, bf16 or fp16); out may be a column slice of a wider tensor.
@@ -293,6 +295,42 @@ void dot_rows_pairs(const uint8_t* w, int64_t ldw, const float* scales, int64_t 
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < NR; ++i) res[r][i] = _mm512_reduce_add_ps(total[r][i]);
 }
+
+// dot_rows' contract on bf16 weights and bf16 activations (both as bits), any K: each 32-weight vector meets the
+// R activation rows' vectors in the pair dot products, with no widening (the float path widens every weight), so a
+// few activation rows cost about one row's time. Eight chains or more (two per pair of rows) cover the instruction's
+// latency. The last K % 32 columns read through a mask.
+template <int NR, int R>
+void dot_rows_bf16(const uint16_t* w, int64_t ldw, const uint16_t* x, int64_t ldx, int64_t K, float (*res)[NR]) {
+  constexpr int kChains = std::max(2, 8 / (NR * R));
+  constexpr int64_t kAheadBytes = 1024;
+  __m512 acc[R][NR][kChains];
+  for (auto& a : acc)
+    for (auto& b : a)
+      for (auto& c : b) c = _mm512_setzero_ps();
+  const auto step = [&](int64_t k, int c, __mmask32 mask) {
+    for (int i = 0; i < NR; ++i) {
+      const __m512i wv = _mm512_maskz_loadu_epi16(mask, w + i * ldw + k);
+      for (int r = 0; r < R; ++r)
+        acc[r][i][c] = _mm512_dpbf16_ps(acc[r][i][c], (__m512bh)wv,
+                                        (__m512bh)_mm512_maskz_loadu_epi16(mask, x + r * ldx + k));
+    }
+  };
+  int64_t k = 0;
+  for (; k + 32 * kChains <= K; k += 32 * kChains) {
+    for (int i = 0; i < NR; ++i)
+      for (int64_t b = 0; b < 64 * kChains; b += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(w + i * ldw + k) + kAheadBytes + b, _MM_HINT_T0);
+    for (int c = 0; c < kChains; ++c) step(k + 32 * c, c, ~__mmask32{0});
+  }
+  for (; k < K; k += 32) step(k, 0, K - k >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << (K - k)) - 1));
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < NR; ++i) {
+      __m512 a = acc[r][i][0];
+      for (int c = 1; c < kChains; ++c) a = _mm512_add_ps(a, acc[r][i][c]);
+      res[r][i] = _mm512_reduce_add_ps(a);
+    }
+}
 #endif
 
 // f(std::integral_constant<int, r>) for r = 1 .. Max: the dot products and tiles keep a compile-time row count
@@ -369,6 +407,17 @@ void dense_mm_impl(at::Tensor& out, const at::Tensor& x, const WeightRows& weigh
     dot_rows<W, nr(), r()>(wp + n * K, K, sp ? sp + n * lds : nullptr, lds, group, xf + m * ldx, ldx, K, res);
   });
 }
+
+#if QS_X86_AVX512_BF16
+// dense_mm of bf16 weights against bf16 activations on the pair dot products
+void dense_mm_bf16_pairs(at::Tensor& out, const at::Tensor& x, const uint16_t* w, int64_t N, const float* bias) {
+  const int64_t K = x.size(1), ldx = x.stride(0);
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+  for_each_tile<c10::BFloat16>(out, x.size(0), N, bias, [&](auto nr, auto r, int64_t n, int64_t m, auto res) {
+    dot_rows_bf16<nr(), r()>(w + n * K, K, xp + m * ldx, ldx, K, res);
+  });
+}
+#endif
 
 template <typename W>
 void dense_mm_dispatch(at::Tensor& out, const at::Tensor& x, const WeightRows& weights, int64_t N, const float* bias) {
@@ -650,6 +699,12 @@ void dense_mm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const s
   TORCH_CHECK(w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kHalf,
               "dense_mm runs bf16 or fp16 weights, not ", w.scalar_type());
   const WeightRows weights{w.data_ptr()};
+#if QS_X86_AVX512_BF16
+  if (w.scalar_type() == at::kBFloat16 && x.scalar_type() == at::kBFloat16) {
+    dense_mm_bf16_pairs(out, x, static_cast<const uint16_t*>(w.data_ptr()), w.size(0), bp);
+    return;
+  }
+#endif
   if (w.scalar_type() == at::kBFloat16)
     dense_mm_dispatch<c10::BFloat16>(out, x, weights, w.size(0), bp);
   else

@@ -24,6 +24,10 @@ logger = logging.getLogger(__name__)
 WIDEN_IN_REGISTERS_BELOW_ROWS = 32
 # weights widened to float32 at a time on the many-rows route: the slice stays in cache while it is multiplied
 WIDEN_SLICE_WEIGHTS = 1 << 20
+# Up to this many rows a bf16 weight kept beside oneDNN's packed copy (a tied LM head, which the embedding lookup
+# reads) runs through dense_mm's pair dot products instead: oneDNN streams it slower there (docs/performance.md,
+# "A tied bf16 LM head at decode")
+KEPT_WEIGHT_DENSE_MM_ROWS = 3
 
 
 class LinearMethod:
@@ -53,6 +57,13 @@ def variant_has_bf16() -> bool:
     CPU that has more then runs bf16 layers as an AVX2 CPU does."""
     variant = chosen_variant()
     return variant is None or variant.arch != "x86_64" or "avx512_bf16" in variant.needs
+
+
+def variant_has_bf16_pairs() -> bool:
+    """The kernel variant this process runs is an x86 build with AVX512-BF16, where dense_mm multiplies bf16
+    weights and activations in the pair dot products."""
+    variant = chosen_variant()
+    return variant is not None and variant.arch == "x86_64" and "avx512_bf16" in variant.needs
 
 
 def widening_ops(weight: torch.Tensor):
@@ -101,12 +112,20 @@ class UnquantizedLinearMethod(LinearMethod):
             if not getattr(layer, "weight_is_shared", False):
                 layer.weight = None
         layer.widening_ops = widening_ops(layer.weight) if layer.weight is not None else None
+        layer.kept_weight_ops = (cpu_ops_for(layer.weight.device) if layer.packed_weight is not None
+                                 and layer.weight is not None and variant_has_bf16_pairs() else None)
         if layer.packed_weight is not None or layer.widening_ops is not None:
             _log_route(layer.packed_weight is not None, (layer.weight if layer.weight is not None else
                                                          layer.packed_weight).dtype)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if layer.packed_weight is not None:
+            kept = getattr(layer, "kept_weight_ops", None)
+            if kept is not None and x.dtype == torch.bfloat16 and x.numel() <= KEPT_WEIGHT_DENSE_MM_ROWS * x.shape[-1]:
+                rows = x.reshape(-1, x.shape[-1]).contiguous()
+                out = rows.new_empty(rows.shape[0], layer.weight.shape[0])
+                kept.dense_mm(out, rows, layer.weight, bias)
+                return out.reshape(*x.shape[:-1], layer.weight.shape[0])
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), layer.packed_weight, bias, "none", [], "")
         ops = getattr(layer, "widening_ops", None)
         if ops is not None:
