@@ -14,9 +14,9 @@ from qwenserve import LLM, SamplingParams
 from qwenserve.config.errors import RequestError
 from qwenserve.entrypoints.openai.reasoning import ReasoningSplitter, constraint_prefix
 from qwenserve.sample.free_prefix import CONSTRAINED, FREE, UNDECIDED, PrefixGate, opening_masks
-from qwenserve.sample.structured_outputs import FreePrefix, StructuredOutputsParams as Constraint
+from qwenserve.sample.structured_outputs import BLANKS, FreePrefix, StructuredOutputsParams as Constraint
 
-from helpers import SPECIAL_TOKENS, record_preemptions, save_hf_dir, tiny_hf_model, tiny_tokenizer
+from helpers import SPECIAL_TOKENS, record_preemptions, save_hf_dir, tiny_hf_model, tiny_tokenizer, tiny_vocab
 from scripted import scripted
 
 OPENED = FreePrefix(end="</think>")  # the prompt opened the free text
@@ -42,6 +42,8 @@ def test_constraint_prefix_follows_the_prompt():
     assert constraint_prefix("qwen3", THINKING_ON + "<think>\n") == OPENED
     assert constraint_prefix("qwen3", THINKING_ON) == MAY_OPEN
     assert constraint_prefix("qwen3", THINKING_ON + "<think>\n\n</think>\n\n") is None  # thinking off
+    asked = THINKING_ON.replace("hi", "what does <think> do?")  # the user's tag is text: the answer may open one
+    assert constraint_prefix("qwen3", asked) == MAY_OPEN
 
 
 def gate_run(prefix: FreePrefix, pieces: list[bytes]):
@@ -62,7 +64,7 @@ def gate_run(prefix: FreePrefix, pieces: list[bytes]):
 
 
 PIECES = st.lists(st.sampled_from(["<think>", "</think>", "<", "</", "think", ">", " ", "\n", "a", "{", "</thi",
-                                   "nk>", "<th", "é"]), max_size=12)
+                                   "nk>", "<th", "é", "\x1c", ">\n"]), max_size=12)
 
 
 @settings(max_examples=300, deadline=None)
@@ -70,7 +72,8 @@ PIECES = st.lists(st.sampled_from(["<think>", "</think>", "<", "</", "think", ">
        prompt=st.sampled_from([THINKING_ON, THINKING_ON + "<think>\n"]))
 def test_the_gate_splits_where_the_reasoning_splitter_does(pieces, cuts, prompt):
     """Fed the answer's bytes in any cuts (a character or a tag cut in two included), the constraint starts where
-    the splitter's content starts: after the reasoning, or at the answer's start if it has none."""
+    the splitter's content starts: after the reasoning, or at the answer's start if it has none; blanks that come
+    in the free text's last token, after its end, are not the grammar's."""
     answer = "".join(pieces).encode()
     bounds = sorted({min(c, len(answer)) for c in cuts} | {0, len(answer)})
     phase, taken, opened = gate_run(constraint_prefix("qwen3", prompt),
@@ -81,17 +84,20 @@ def test_the_gate_splits_where_the_reasoning_splitter_does(pieces, cuts, prompt)
     elif taken is None:  # cut short inside the reasoning
         assert phase in (FREE, UNDECIDED) and not content
     else:
-        assert phase == CONSTRAINED and taken.decode() == content
+        tail = taken.decode()
+        assert phase == CONSTRAINED and content.endswith(tail) and not content[:len(content) - len(tail)].strip(BLANKS)
 
 
 def test_opening_masks_allow_exactly_what_keeps_the_start_possible():
-    texts = {0: " ", 1: "<", 2: "<think>", 3: " <th", 4: "ink>x", 5: "{", 6: "", 7: "i", 8: "<t>", 9: "\n<think>ab"}
+    texts = {0: " ", 1: "<", 2: "<think>", 3: " <th", 4: "ink>x", 5: "{", 6: "", 7: "i", 8: "<t>", 9: "\n<think>ab",
+             10: "\x1c<think>", 11: "\n\n"}
     masks = opening_masks(texts.items(), "<think>", 1)
 
     def allowed(lead):
         return {i for i in texts if masks[lead][0] >> i & 1}
     assert set(masks) == {"", "<", "<t", "<th", "<thi", "<thin", "<think"}
-    assert allowed("") == {0, 1, 2, 3, 9}
+    # blank tokens open nothing (the grammar alone may allow them); a control character is not blank
+    assert allowed("") == {1, 2, 3, 9}
     assert allowed("<th") == {4, 7}
     assert allowed("<think") == set()  # ">" alone is not in this vocabulary
 
@@ -164,16 +170,59 @@ def test_the_answers_first_bytes_in_the_markers_own_token_are_the_grammars(llm):
 
 def test_an_answer_may_open_its_free_text_or_be_constrained_from_its_first_token(llm):
     constraint = Constraint(regex=DIGITS, free_prefix=MAY_OPEN)
-    with scripted(ids(llm, " <think>q</think>")):  # blanks and the start tag: only the opening allows them
+    with scripted(ids(llm, "<think>q</think>")):  # the start tag: only the opening allows it
         opened = run(llm, temperature=0.0, max_tokens=40, structured_outputs=constraint)[0]
-    assert opened.text.startswith(" <think>q</think>") and re.fullmatch(DIGITS, opened.text[len(" <think>q</think>"):])
+    assert opened.text.startswith("<think>q</think>") and re.fullmatch(DIGITS, opened.text[len("<think>q</think>"):])
     with scripted(ids(llm, "7")):  # the answer itself: the grammar from the first token on
         answer = run(llm, temperature=1.0, seed=2, max_tokens=40, structured_outputs=constraint)[0]
     assert re.fullmatch(DIGITS, answer.text) and answer.text[0] == "7"
-    with scripted(ids(llm, " <th") + ids(llm, "7")):  # past " <th" only the start tag can follow
+    with scripted(ids(llm, "<th") + ids(llm, "7")):  # past "<th" only the start tag can follow
         cut = run(llm, temperature=1.0, seed=2, max_tokens=12, structured_outputs=constraint)[0]
-    assert cut.text.startswith(" <think>"), cut.text
+    assert cut.text.startswith("<think>"), cut.text
     assert_no_leak(llm)
+
+
+def test_a_blank_first_token_is_the_grammars_alone(llm):
+    """Undecided, a blank (or a control character str.isspace takes) that the grammar refuses is masked like any
+    other token the grammar refuses: it would open nothing, and an output left to blanks writes them until
+    max_tokens. The answer is the grammar's, as without a free prefix."""
+    constraint = Constraint(regex=DIGITS, free_prefix=MAY_OPEN)
+    for first in (" ", "\n", "\x1c"):
+        with scripted(ids(llm, first)):
+            out = run(llm, temperature=0.0, max_tokens=12, structured_outputs=constraint)[0]
+        assert re.fullmatch(DIGITS, out.text) and out.finish_reason == "stop", (first, out.text)
+    # a grammar that takes blanks keeps them, and the output may still open its free text after them
+    with scripted(ids(llm, "\n<think>q</think>")):
+        out = run(llm, temperature=0.0, max_tokens=20,
+                  structured_outputs=Constraint(regex="\\s*[0-9]{4}", free_prefix=MAY_OPEN))[0]
+    assert out.text.startswith("\n<think>q</think>") and re.fullmatch(DIGITS, out.text[len("\n<think>q</think>"):])
+    assert_no_leak(llm)
+
+
+def test_blanks_after_the_marker_in_its_own_token_are_not_the_grammars(tmp_path):
+    """The free text is unmasked, so its last token may end the marker and carry a newline (Qwen's vocabulary has
+    `>\\n`), which a grammar with no free whitespace refuses: the grammar starts after the blanks, and the
+    request goes on."""
+    from qwenserve.model.loader.tokenizer import tokenizer_from_gguf
+    path = save_hf_dir(tiny_hf_model(seed=71, max_position_embeddings=512), str(tmp_path))
+    tokens, types, merges = tiny_vocab(320)
+    pad = tokens.index("[PAD0]")
+    tokens[pad], types[pad] = ">\u010a", 1  # ">\\n" in the byte-level alphabet
+    tokenizer_from_gguf({
+        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2", "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": types, "tokenizer.ggml.merges": merges + ["> \u010a"],
+        "tokenizer.ggml.eos_token_id": tokens.index("<|im_end|>"),
+        "tokenizer.ggml.padding_token_id": tokens.index("<|endoftext|>"),
+    }).save_pretrained(path)
+    llm = LLM(path, dtype="float32", kv_cache_memory="8MiB")
+    script = ids(llm, "plan</think>\n")
+    assert llm.engine.tokenizer.decode(script[-1:]) == ">\n"
+    with scripted(script):
+        out = run(llm, temperature=0.0, max_tokens=20,
+                  structured_outputs=Constraint(regex=DIGITS, free_prefix=OPENED))[0]
+    assert out.token_ids[:len(script)] == script and re.fullmatch(DIGITS, out.text[len("plan</think>\n"):]), out.text
+    assert_no_leak(llm)
+    llm.engine.shutdown()
 
 
 def test_free_text_that_never_ends_is_never_masked(llm):
@@ -205,9 +254,9 @@ def test_n_samples_each_wait_out_their_own_free_text(llm):
     # undecided, each sample either opens its free text or is the answer (the grammar's from its first token)
     mixed = run(llm, n=6, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True,
                 structured_outputs=Constraint(regex=DIGITS, free_prefix=MAY_OPEN))
-    for o in mixed:
-        lead = o.text.lstrip()
-        assert re.fullmatch(DIGITS, o.text) or lead.startswith("<think>") or "<think>".startswith(lead), o.text
+    for o in mixed:  # never blanks alone: a blank token opens nothing, and the grammar refuses it
+        assert re.fullmatch(DIGITS, o.text) or o.text.startswith("<think>") or (
+            o.text and "<think>".startswith(o.text)), o.text
     assert_no_leak(llm)
 
 

@@ -34,9 +34,13 @@ def test_whole_answers(prompt, answer, reasoning, content):
 
 
 def test_prompt_state_and_parser_names():
-    assert thinking_open(THINKING_OPENED, "<think>", "</think>")
-    assert not thinking_open(THINKING_OFF, "<think>", "</think>") and not thinking_open(THINKING_ON, "<think>",
-                                                                                           "</think>")
+    assert thinking_open(THINKING_OPENED, "<think>")
+    assert not thinking_open(THINKING_OFF, "<think>") and not thinking_open(THINKING_ON, "<think>")
+    # a start tag the user (or a tool's description, or an earlier turn) wrote is text: only the tail decides
+    for written in ("What does <think> do?", "<think>", "<think>cut off"):
+        prompt = THINKING_ON.replace("hi", written)
+        assert not thinking_open(prompt, "<think>")
+        assert ReasoningSplitter("qwen3", prompt).split_whole("plain") == (None, "plain")
     with pytest.raises(ConfigError, match="reasoning_parser 'nope' is not one of deepseek_r1, qwen3"):
         check_reasoning_parser("nope")
 
@@ -65,10 +69,13 @@ def test_streamed_in_any_cuts_equals_whole(pieces, cuts, prompt):
 
 # ---- through the server and the openai client -----------------------------------------------------------------
 
-# Qwen3's switch, cut down: thinking off closes an empty think block in the prompt; `opened` (another template
-# variable, as Qwen3-Thinking-2507's template always does) leaves one open
+# Qwen3's template, cut down: an assistant turn's reasoning rendered in a think block; thinking off closes an empty
+# think block in the prompt; `opened` (another template variable, as Qwen3-Thinking-2507's template always does)
+# leaves one open
 QWEN3_LIKE_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message.reasoning_content %}<think>\n{{ message.reasoning_content }}\n</think>\n\n{% endif %}"
+    "{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
     "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
     "{% elif opened %}<think>\n{% endif %}{% endif %}"
@@ -165,6 +172,23 @@ def test_chat_template_kwargs_reach_the_template(served, stream):
     assert counts[1] > counts[2] > counts[0]
 
 
+def test_an_assistant_turns_reasoning_reaches_the_template(served):
+    """vLLM passes an assistant message's `reasoning_content` (or its newer name `reasoning`) to the template,
+    which renders it (Qwen3's, for the turns of a tool loop); one that is not a string is a 400."""
+    import httpx
+    url, _, engine = served
+
+    def prompt(**reasoning):
+        messages = [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": "sunny"} | reasoning,
+                    {"role": "user", "content": "sure?"}]
+        return httpx.post(f"{url}/tokenize", json={"model": "qwen3", "messages": messages})
+    for name in ("reasoning_content", "reasoning"):
+        text = engine.tokenizer.decode(prompt(**{name: "I should check"}).json()["tokens"])
+        assert "<|im_start|>assistant\n<think>\nI should check\n</think>\n\nsunny<|im_end|>" in text, text
+    r = prompt(reasoning_content=["not", "text"])
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+
+
 def test_bad_chat_template_kwargs_are_400s(served):
     import httpx
     url, _, engine = served
@@ -220,6 +244,40 @@ def test_json_schema_from_the_first_token_without_thinking(served, stream):
         reasoning, content, finish, _ = ask(at, "plan it</think>", stream=stream, end_script=[], **JSON_SCHEMA,
                                             extra_body=extra)
         assert reasoning is None and finish == "stop" and matches_schema(content), (reasoning, content)
+    from helpers import wait_idle_and_clean
+    wait_idle_and_clean(engine)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_start_tag_in_the_conversation_is_text(served, stream):
+    """A `<think>` the user wrote (no `</think>` after it) opens nothing: the answer is content, and the schema
+    holds from its first token, as for any thinking-on prompt whose answer does not open a think block."""
+    url, _, engine = served
+    asked = {"messages": [{"role": "user", "content": "What does the <think> tag do?"}]}
+    assert ask(url, "It marks reasoning.", stream=stream, **asked) == (None, "It marks reasoning.", "stop", None)
+    reasoning, content, finish, _ = ask(url, '{"a": 1, "b": "x"} and more', stream=stream, end_script=[],
+                                        **JSON_SCHEMA, **asked)
+    assert (reasoning, content, finish) == (None, '{"a": 1, "b": "x"}', "stop")  # the grammar ends it
+    from helpers import wait_idle_and_clean
+    wait_idle_and_clean(engine)
+
+
+def test_a_grammar_that_refuses_the_output_fails_as_the_servers_fault(served, monkeypatch):
+    """Whatever the model writes in its free reasoning, the client is not at fault: a grammar that cannot go on
+    is a 500 server_error naming no field (the request sent no structured_outputs), whole or streamed."""
+    import httpx
+
+    from qwenserve.engine.structured_output import StructuredOutputManager
+    url, _, engine = served
+    monkeypatch.setattr(StructuredOutputManager, "_through_gate", lambda self, gate, matcher, token: "refused")
+    body = {"model": "qwen3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8} | JSON_SCHEMA
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+    error = r.json()["error"]
+    assert r.status_code == 500 and error["type"] == "server_error" and error["param"] is None, r.text
+    assert "could not be kept to the grammar (refused)" in error["message"]
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body | {"stream": True}, timeout=60) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert chunks[-1]["error"]["type"] == "server_error" and chunks[-1]["error"]["param"] is None, chunks[-1]
     from helpers import wait_idle_and_clean
     wait_idle_and_clean(engine)
 

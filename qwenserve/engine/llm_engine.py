@@ -43,6 +43,12 @@ class StepFailedError(RuntimeError):
     fail with it, the others go on."""
 
 
+class GrammarBrokenError(RuntimeError):
+    """A constrained sequence's grammar refused what the sequence wrote, although the step's mask allowed it (or
+    it came in the unmasked free text's last token): the engine's failure, not the request's, so never blamed
+    on a field the client sent."""
+
+
 class RequestsFailedError(RuntimeError):
     """A step ended some requests with an error while the others go on: `failures` maps each failed request id
     to its error (its blocks are already freed); `outputs` are the step's outputs for the others.
@@ -237,9 +243,8 @@ class LLMEngine:
             logger.error("request %s: its grammar rejected a sampled token: %s", request_id, why)
             _, live = self.output_processor.abort(request_id)
             self._end(request_id, live)
-            self._request_failures[request_id] = RequestError(
-                f"{FIELD}: the output could not be kept to the grammar ({why.splitlines()[0] if why else why})",
-                param=FIELD)
+            self._request_failures[request_id] = GrammarBrokenError(
+                f"{FIELD}: the output could not be kept to the grammar ({why.splitlines()[0] if why else why})")
         return self._outputs_or_failures(outputs)
 
     def _fail_adapter_requests(self, scheduler_output: SchedulerOutput,

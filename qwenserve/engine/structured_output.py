@@ -12,8 +12,9 @@ tokens that may open it). The gate, like the matcher, moves only forward with th
 preemption leaves it as it was; constrained sequences never speculate (core/speculation.py), so no token is
 ever taken back; each of n samples has its own.
 
-A sequence ends ("stop") as soon as its grammar is complete. A request whose grammar fails to compile, or whose
-matcher rejects a token, fails with an error: it never goes on unconstrained."""
+A sequence ends ("stop") as soon as its grammar is complete. A request whose grammar fails to compile fails with
+an error naming its constraint; one whose matcher rejects a token fails too (the engine's failure: the mask
+allowed the token), and never goes on unconstrained."""
 from __future__ import annotations
 
 import concurrent.futures

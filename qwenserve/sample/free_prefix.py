@@ -4,11 +4,15 @@ grammar waits out, a thinking model's reasoning, which the engine knows only as 
 A gate follows one sequence's tokens, as bytes, through three phases:
 
 - undecided (the prefix has a `start`): the output so far is blank or a cut `start`. Both ways stay open: the
-  grammar takes the tokens it allows, and the tokens that keep `start` possible are allowed too (opening_masks).
+  grammar takes the tokens it allows, and the tokens that begin or continue `start` are allowed too
+  (opening_masks). A token that is only blanks is the grammar's alone: blanks open nothing, and an output
+  allowed them while the grammar refuses them could write blanks until max_tokens, never starting either way.
   Decided as the reasoning parsers decide: output whose first non-blank text is `start` opens the free text;
   any other is the constrained answer, which the grammar has then taken from its first token.
 - free: nothing is masked; the constraint starts right after `end`, which is found in the bytes whatever the
-  tokens it is cut into. Bytes after `end` in the same token are the answer's first (the grammar takes them).
+  tokens it is cut into. Bytes after `end` in the same token are the answer's first (the grammar takes them),
+  blanks at their start aside: the free text's tokens are unmasked, so its last may carry a newline after
+  `end` (Qwen's `>\\n`) that a grammar with no free whitespace would refuse.
 - constrained: the grammar alone, as for a constraint without a free prefix.
 
 Undecided text is decoded as the detokenizer decodes it (a cut UTF-8 character waits for its end), so a gate
@@ -20,13 +24,13 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from qwenserve.sample.structured_outputs import FreePrefix
+from qwenserve.sample.structured_outputs import BLANKS, FreePrefix
 
 UNDECIDED, FREE, CONSTRAINED = "undecided", "free", "constrained"
 
 
 def route(lead: str, start: str) -> str:
-    """The phase output whose text so far, blanks stripped at its start, is `lead` is in: FREE once it opens with
+    """The phase output whose text so far, BLANKS stripped at its start, is `lead` is in: FREE once it opens with
     start, UNDECIDED while it may still (blank, or a cut start), CONSTRAINED otherwise."""
     if lead.startswith(start):
         return FREE
@@ -35,15 +39,16 @@ def route(lead: str, start: str) -> str:
 
 def opening_masks(token_texts: Iterable[tuple[int, str]], start: str, words: int) -> dict[str, np.ndarray]:
     """For each undecided lead ("" and every proper prefix of start), the bitmask row (int32 words, the grammar's
-    layout) of the tokens after which the output has opened or may still open with start. token_texts: each
-    token's text decoded alone; empty ones (tokens with no text) are never allowed."""
+    layout) of the tokens that begin or continue start (after blanks, at the output's start): after one, the
+    output has opened or may still open with start. token_texts: each token's text decoded alone; empty ones
+    (tokens with no text) and blank ones (which leave the lead as it was) are never allowed."""
     rows = {start[:i]: np.zeros(words, dtype=np.uint32) for i in range(len(start))}
     for token_id, text in token_texts:
-        stripped = text.lstrip()
-        if not text or (stripped and stripped[0] not in start):
+        stripped = text.lstrip(BLANKS)
+        if not stripped or stripped[0] not in start:
             continue  # cannot begin or continue start: the common case, decided without the leads
         for lead, row in rows.items():
-            if route((lead + text).lstrip(), start) != CONSTRAINED:
+            if route((lead + text).lstrip(BLANKS), start) != CONSTRAINED:
                 row[token_id >> 5] |= np.uint32(1 << (token_id & 31))
     return {lead: row.view(np.int32) for lead, row in rows.items()}
 
@@ -52,7 +57,7 @@ class PrefixGate:
     def __init__(self, prefix: FreePrefix):
         self.start, self.end = prefix.start, prefix.end.encode()
         self.phase = FREE if prefix.start is None else UNDECIDED
-        self.lead = ""  # undecided: the output's text so far, blanks stripped at its start
+        self.lead = ""  # undecided: the output's text so far, BLANKS stripped at its start
         self.grammar_alive = True  # undecided: the grammar took every token so far
         self._raw = b""  # undecided: the output's bytes so far
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
@@ -66,7 +71,7 @@ class PrefixGate:
         opened = False
         if self.phase == UNDECIDED:
             self._raw += data
-            self.lead = (self.lead + self._decoder.decode(data)).lstrip()
+            self.lead = (self.lead + self._decoder.decode(data)).lstrip(BLANKS)
             phase = route(self.lead, self.start)
             if phase != FREE:
                 self.phase = phase
@@ -84,4 +89,4 @@ class PrefixGate:
             self._window = window[max(0, len(window) - len(self.end) + 1):] if len(self.end) > 1 else b""
             return opened, None
         self.phase, self._window = CONSTRAINED, b""
-        return opened, window[at + len(self.end):]
+        return opened, window[at + len(self.end):].lstrip(BLANKS.encode())

@@ -17,10 +17,15 @@ FIELD = "structured_outputs"
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
+# the blanks an answer may write before opening its free prefix with `start`: JSON's whitespace, not str.isspace's
+# (which takes control characters such as \x1c, text no grammar and no reader takes as blank)
+BLANKS = " \t\r\n"
+
+
 @dataclass(frozen=True)
 class FreePrefix:
     """Free text the constraint waits out: it applies from the token after `end`. With `start`, the output may
-    open the free text with it (after blanks, as the reasoning parsers decide), and one that does not is
+    open the free text with it (after BLANKS, as the reasoning parsers decide), and one that does not is
     constrained from its first token; without, the output begins inside it (the prompt opened it)."""
     end: str
     start: str | None = None

@@ -154,6 +154,10 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict] | None = None
+    # an assistant turn's reasoning, which thinking models' templates render (vLLM's names: the newer is
+    # `reasoning`)
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):  # content parts: keep the text ones

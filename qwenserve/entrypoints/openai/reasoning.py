@@ -4,9 +4,11 @@ between `<think>` and `</think>`), returned as the message's `reasoning_content`
 One splitter serves the whole answer and the streamed one, fed the same text in any cuts, so both give the same
 split: a tag cut across two deltas is held back until it is whole. Where the answer starts decides:
 
-- the prompt already opened a think block that it did not close (Qwen3-Thinking-2507's template ends the prompt
-  with `<think>`): the answer starts in the reasoning;
+- the prompt ends by opening a think block (Qwen3-Thinking-2507's and QwQ's templates end the prompt with
+  `<think>` and a newline): the answer starts in the reasoning. Only the prompt's tail counts: a `<think>`
+  anywhere else in the conversation is text that the user or a tool wrote;
 - otherwise an answer whose first non-blank text is `<think>` starts the reasoning there (Qwen3 with thinking on);
+  blanks are JSON's whitespace (BLANKS), as the engine's free prefix counts them;
 - otherwise it is all content (Qwen3 with thinking off, whose template closes an empty think block in the
   prompt), and a `</think>` in it is text like any other.
 
@@ -19,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from qwenserve.config.errors import ConfigError
-from qwenserve.sample.structured_outputs import FreePrefix
+from qwenserve.sample.structured_outputs import BLANKS, FreePrefix
 
 # parser name -> (start tag, end tag); vLLM's names
 REASONING_PARSERS = {"qwen3": ("<think>", "</think>"), "deepseek_r1": ("<think>", "</think>")}
@@ -32,10 +34,12 @@ def check_reasoning_parser(name: str | None) -> None:
         raise ConfigError(f"reasoning_parser {name!r} is not one of {', '.join(sorted(REASONING_PARSERS))}")
 
 
-def thinking_open(prompt: str, start: str, end: str) -> bool:
-    """Whether the prompt's last start tag has no end tag after it: the model continues inside its reasoning."""
-    opened = prompt.rfind(start)
-    return opened >= 0 and prompt.find(end, opened + len(start)) < 0
+def thinking_open(prompt: str, start: str) -> bool:
+    """Whether the generation prompt opens a think block: the rendered prompt ends with the start tag (blanks
+    after it aside), so the model continues inside its reasoning. Only the template's tail decides: a start tag
+    in the conversation (a user's question about the tag, a tool's description, an earlier turn cut short) is
+    text, and never makes the answer reasoning."""
+    return prompt.rstrip().endswith(start)
 
 
 def constraint_prefix(parser: str, prompt: str) -> FreePrefix | None:
@@ -44,7 +48,7 @@ def constraint_prefix(parser: str, prompt: str) -> FreePrefix | None:
     token, as without a parser) where the prompt ends by closing a think block: thinking turned off (Qwen3's
     template with enable_thinking false), so the answer is all content."""
     start, end = REASONING_PARSERS[parser]
-    if thinking_open(prompt, start, end):
+    if thinking_open(prompt, start):
         return FreePrefix(end=end)
     if prompt.rstrip().endswith(end):
         return None
@@ -75,7 +79,7 @@ class ReasoningSplitter:
         """parser: a name in REASONING_PARSERS; prompt: the rendered prompt text, whose tail may open a think
         block."""
         self.start, self.end = REASONING_PARSERS[parser]
-        self.state = _REASONING if thinking_open(prompt, self.start, self.end) else _BEFORE
+        self.state = _REASONING if thinking_open(prompt, self.start) else _BEFORE
         self.saw_reasoning = self.state == _REASONING
         self._held = ""
 
@@ -86,7 +90,7 @@ class ReasoningSplitter:
         self._held = ""
         while text:
             if self.state == _BEFORE:
-                lead = text.lstrip()
+                lead = text.lstrip(BLANKS)
                 if lead.startswith(self.start):
                     self.state, self.saw_reasoning = _REASONING, True
                     text = lead[len(self.start):]

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from qwenserve.config.errors import RequestError
 from qwenserve.engine.async_engine import AsyncLLMEngine, DrainingError, EngineDeadError, OverloadedError
+from qwenserve.engine.llm_engine import GrammarBrokenError
 from qwenserve.engine.outputs import RequestOutput
 from qwenserve.entrypoints.openai.metrics import ServerMetrics
 from qwenserve.entrypoints.openai.protocol import GUIDED
@@ -52,7 +53,7 @@ def error_body(message: str, type_: str, param: str | None = None, code=None) ->
 def public_message(e: Exception) -> str:
     """What a client may read of an engine failure: our own errors say what happened; anything else (a bug)
     only its type, since its text may hold file paths or internals (the log has the traceback)."""
-    if isinstance(e, (APIError, RequestError, EngineDeadError)):
+    if isinstance(e, (APIError, RequestError, EngineDeadError, GrammarBrokenError)):
         return str(e)
     return f"the engine failed while running this request ({type(e).__name__}); see the server log"
 
@@ -94,8 +95,13 @@ def chat_text(tokenizer, messages, add_generation_prompt: bool, tools: list[dict
 
 def _template_message(index: int, message) -> dict:
     """A message as chat templates take it: an assistant's tool calls with their arguments as objects (OpenAI
-    sends them as JSON text; Qwen's template writes them with tojson), a tool result with its call's id."""
+    sends them as JSON text; Qwen's template writes them with tojson), its reasoning under both of vLLM's names
+    (Qwen3's template renders `reasoning_content` of the turns after the last user query), a tool result with
+    its call's id."""
     out = {"role": message.role, "content": message.text()}
+    reasoning = message.reasoning_content if message.reasoning_content is not None else message.reasoning
+    if message.role == "assistant" and reasoning is not None:
+        out["reasoning_content"] = out["reasoning"] = reasoning
     extra = message.model_extra or {}
     if message.role == "assistant" and extra.get("tool_calls"):
         calls = []
