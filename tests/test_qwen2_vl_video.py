@@ -52,9 +52,10 @@ def reference_video(frames) -> tuple[torch.Tensor, list[int]]:
     return torch.cat(pairs).reshape(t * rows * cols, -1), [t, rows, cols]
 
 
-def hf_generate(hf, tokenizer, text: str, images: list, video: list | None, max_new_tokens: int) -> list[int]:
+def hf_generate(hf, tokenizer, text: str, images: list, video: list | None, max_new_tokens: int,
+                fps: float = VIDEO_FPS) -> list[int]:
     """transformers' generate for a prompt with images (its image processor) and one video (reference_video),
-    placeholders expanded as its processor does, Qwen2.5-VL's frames spaced at VIDEO_FPS."""
+    placeholders expanded as its processor does, Qwen2.5-VL's frames spaced at fps."""
     ids = tokenizer.encode(text, add_special_tokens=False)
     cfg, kwargs, grids = hf.config, {}, {}
     if images:
@@ -66,7 +67,7 @@ def hf_generate(hf, tokenizer, text: str, images: list, video: list | None, max_
         kwargs.update(pixel_values_videos=pixels, video_grid_thw=torch.tensor([grid]))
         grids[cfg.video_token_id] = iter([grid])
         if "2_5" in type(hf).__name__:
-            kwargs["second_per_grid_ts"] = torch.tensor([2 / VIDEO_FPS])
+            kwargs["second_per_grid_ts"] = torch.tensor([2 / fps])
     expanded, types = [], []
     for t in ids:
         n = int(np.prod(next(grids[t]))) // 4 if t in grids else 1
@@ -83,7 +84,7 @@ def hf_generate(hf, tokenizer, text: str, images: list, video: list | None, max_
 
 def test_video_pixels_equal_transformers(vl):
     _, hf, _ = vl
-    ours = Qwen2VLProcessor(ModelConfig.from_hf_dict(hf.config.to_dict()).vision, hf_image_processor().to_dict())
+    ours = Qwen2VLProcessor(ModelConfig.from_hf_dict(hf.config.to_dict()).vision, hf_image_processor().to_dict(), {})
     for frames in (FRAMES, FRAMES[:2]):
         mine = ours.process_video(frames)
         pixels, grid = reference_video(frames)
@@ -93,6 +94,82 @@ def test_video_pixels_equal_transformers(vl):
     assert ours.process_video([data_url(f) for f in FRAMES]).content_hash == ours.process_video(FRAMES).content_hash
     with pytest.raises(RequestError, match="one size"):
         ours.process_video([FRAMES[0], random_image(60, 90)])
+
+
+def test_video_pixel_limits_follow_the_checkpoint(vl, tmp_path):
+    """As transformers loads them: processor_config.json's nested video_processor, else
+    video_preprocessor_config.json, else the image settings (preprocessor_config.json), else the video processor's
+    defaults; images from the nested image_processor, else preprocessor_config.json."""
+    import json
+
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as hf_smart_resize
+
+    from qwenserve.model.loader.checkpoint import _processor_configs
+    _, hf, _ = vl
+    vision = ModelConfig.from_hf_dict(hf.config.to_dict()).vision
+    image_48, image_40 = {"min_pixels": 56 * 56, "max_pixels": 28 * 28 * 48}, {"max_pixels": 28 * 28 * 40}
+    cases = {  # files -> (image limits, video limits)
+        "defaults": ({}, (56 * 56, 28 * 28 * 1280), (VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS)),
+        "image only": ({"preprocessor_config.json": image_48}, (56 * 56, 28 * 28 * 48), (56 * 56, 28 * 28 * 48)),
+        "video file": ({"preprocessor_config.json": image_48, "video_preprocessor_config.json":
+                        {"size": {"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 64}}},
+                       (56 * 56, 28 * 28 * 48), (56 * 56, 28 * 28 * 64)),
+        "nested": ({"preprocessor_config.json": image_48, "video_preprocessor_config.json": {"max_pixels": 7},
+                    "processor_config.json": {"image_processor": image_40,
+                                              "video_processor": {"max_pixels": 28 * 28 * 100}}},
+                   (56 * 56, 28 * 28 * 40), (VIDEO_MIN_PIXELS, 28 * 28 * 100)),
+    }
+    for name, (files, image_limits, video_limits) in cases.items():
+        directory = tmp_path / name.replace(" ", "_")
+        directory.mkdir()
+        for file, content in files.items():
+            (directory / file).write_text(json.dumps(content))
+        ours = Qwen2VLProcessor(vision, *_processor_configs(str(directory)))
+        assert (ours.min_pixels, ours.max_pixels) == image_limits, name
+        rows, cols = (side // 14 for side in hf_smart_resize(336, 308, 28, *video_limits))
+        assert ours.process_video(FRAMES[:2]).grid == (1, rows, cols), name
+
+
+def test_a_videos_frame_rate_sets_its_temporal_positions(vl):
+    """(frames, {"fps": x}) offline and video_url.fps over HTTP: Qwen2.5-VL's frames spaced 2 / x seconds apart
+    per temporal patch, as transformers' second_per_grid_ts; a rate that is not a positive number is refused."""
+    kind, hf, path = vl
+    processor = Qwen2VLProcessor(ModelConfig.from_hf_dict(hf.config.to_dict()).vision, {}, {})
+    slow, default = processor.process_video((FRAMES, {"fps": 0.5})), processor.process_video(FRAMES)
+    assert slow.content_hash != default.content_hash or kind == "qwen2_vl"
+    assert default.content_hash == processor.process_video((FRAMES, {"fps": VIDEO_FPS})).content_hash
+    for bad in (0, -1.0, float("nan"), "2", True):
+        with pytest.raises(RequestError, match="fps must be a positive number"):
+            processor.process_video((FRAMES, {"fps": bad}))
+    if kind != "qwen2_5_vl":
+        return
+    llm = LLM(path, dtype="float32", kv_cache_memory="64MiB")
+    tok = llm.get_tokenizer()
+    text = f"watch {VIDEO} now"
+    for fps in (1.0, 0.5, 4):
+        out = llm.generate({"prompt": text, "multi_modal_data": {"video": (FRAMES, {"fps": fps})}}, GREEDY,
+                           use_tqdm=False)[0]
+        assert list(out.outputs[0].token_ids) == hf_generate(hf, tok, text, [], FRAMES, GREEDY.max_tokens, fps), fps
+    engine = AsyncLLMEngine(LLMEngine(EngineConfig.from_kwargs(model=path, dtype="float32", kv_cache_memory="64MiB")))
+    try:
+        with live_server(build_app(engine, ["vl"])) as url:
+            def post(fps):
+                video = {"type": "video_url", "video_url": {"url": [data_url(f) for f in FRAMES], "fps": fps}}
+                return httpx.post(url + "/v1/chat/completions", timeout=60, json={
+                    "model": "vl", "temperature": 0, "max_tokens": 6, "ignore_eos": True, "messages": [
+                        {"role": "user", "content": [{"type": "text", "text": "watch "}, video,
+                                                     {"type": "text", "text": " now"}]}]})
+            chat_text = f"<|im_start|>user\nwatch {VIDEO} now<|im_end|>\n<|im_start|>assistant\n"
+            response = post(1.0)
+            assert response.status_code == 200, response.text
+            want = hf_generate(hf, tok, chat_text, [], FRAMES, GREEDY.max_tokens, 1.0)
+            assert response.json()["choices"][0]["message"]["content"] == tok.decode(want)
+            bad = post("fast")
+            assert bad.status_code == 400 and "fps must be a positive number" in bad.json()["error"]["message"]
+            assert bad.json()["error"]["param"] == "messages[0].content[1]"
+            wait_idle_and_clean(engine)
+    finally:
+        engine.shutdown()
 
 
 def test_mrope_positions_with_a_video_equal_get_rope_index(vl):

@@ -68,12 +68,20 @@ def hf_image_processor(**settings):
     return Qwen2VLImageProcessorPil(**{"min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS} | settings)
 
 
-def save_hf_vl_dir(model, path: str, processor=None) -> str:
-    """The checkpoint, the tiny tokenizer and the image processor (hf_image_processor() unless given)."""
+# a video processor's settings as transformers saves its defaults (video_preprocessor_config.json)
+VIDEO_SETTINGS = {"size": {"shortest_edge": 128 * 28 * 28, "longest_edge": 28 * 28 * 768}}
+
+
+def save_hf_vl_dir(model, path: str, processor=None, video_settings: dict | None = VIDEO_SETTINGS) -> str:
+    """The checkpoint, the tiny tokenizer, the image processor (hf_image_processor() unless given) and the video
+    processor's settings (None: no video_preprocessor_config.json, so videos take the image processor's)."""
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     tiny_tokenizer(320, VL_SPECIALS).save_pretrained(path)
     (processor or hf_image_processor()).save_pretrained(path)
+    if video_settings is not None:
+        with open(os.path.join(path, "video_preprocessor_config.json"), "w") as f:
+            json.dump(video_settings, f)
     ids = vl_token_ids()
     with open(os.path.join(path, "generation_config.json"), "w") as f:
         json.dump({"eos_token_id": ids["eos_token_id"], "bos_token_id": ids["bos_token_id"]}, f)

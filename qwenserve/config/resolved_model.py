@@ -29,6 +29,8 @@ class ResolvedModel:
     generation_config: dict = field(default_factory=dict)  # generation_config.json, or a GGUF file's EOS
     weight_files: tuple[str, ...] = ()  # the files that hold the weights, in reading order
     preprocessor_config: dict = field(default_factory=dict)  # preprocessor_config.json: a VL model's image settings
+    # video_preprocessor_config.json: its video settings; None: absent (videos take preprocessor_config's)
+    video_preprocessor_config: dict | None = None
 
     def __post_init__(self):
         if self.format not in CHECKPOINT_FORMATS:

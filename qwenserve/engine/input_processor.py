@@ -155,16 +155,21 @@ class InputProcessor:
                                param="prompt" if params.max_tokens is None else "max_tokens")
 
 
+def _video_with_metadata(value) -> bool:
+    return isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], dict)
+
+
 def _items(value, kind: str) -> list:
     """multi_modal_data's value for one modality as a list of items. An image: one, or a list of them. A video
-    is itself a list of frames (or a uint8 array [frames, height, width, 3], or one preprocessed): a list of
-    such lists, arrays or ProcessedImages is several videos; a flat list of frames, one."""
+    is itself a list of frames (or a uint8 array [frames, height, width, 3], or one preprocessed, or (frames,
+    metadata) with its frame rate as metadata["fps"], vLLM's form): a list of such lists, arrays, pairs or
+    ProcessedImages is several videos; a flat list of frames, one."""
     import numpy as np
     if value is None:
         return []
     if kind == "image":
         return list(value) if isinstance(value, (list, tuple)) else [value]
-    if isinstance(value, np.ndarray):
+    if isinstance(value, np.ndarray) or _video_with_metadata(value):
         return [value]
     if isinstance(value, (list, tuple)) and value and isinstance(value[0], (list, tuple, np.ndarray,
                                                                              ProcessedImage)):

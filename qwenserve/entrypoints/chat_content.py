@@ -5,8 +5,8 @@ video placeholder, and the parts' sources are kept in order, each with the part'
 an error about it can say which one.
 
 Part types: text; image_url ({"url": data:, http(s):// or file:// URL}), and offline image_pil / image (a PIL
-image); video_url ({"url": [frame URLs]}: a video as its frames, since no video decoder is here), and offline
-video (a list of frames)."""
+image); video_url ({"url": [frame URLs], "fps": the rate they were sampled at, optional}: a video as its frames,
+since no video decoder is here), and offline video (a list of frames)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,6 +25,7 @@ class MediaPart:
     where: str  # the content part, as an error names it: messages[0].content[1]
     modality: str  # "image" or "video"
     source: Any  # image: a URL, PIL image or bytes; video: a list of them, its frames in order
+    fps: Any = None  # a video's frame rate, where the part gives one
 
 
 def split_content(messages: list[dict], placeholders: dict[str, str] | None,
@@ -52,7 +53,7 @@ def split_content(messages: list[dict], placeholders: dict[str, str] | None,
             if kind not in PART_TYPES:
                 raise RequestError(f"{where} has type {kind!r}; supported: {', '.join(PART_TYPES)}", param=where)
             modality = "image" if kind in IMAGE_PART_TYPES else "video"
-            source = _source(part, kind, where)
+            source, fps = _source(part, kind, where)
             if not placeholders:
                 raise RequestError(f"{where} is {'an image' if modality == 'image' else 'a video'}, but this model "
                                    f"is text-only", param=where)
@@ -61,16 +62,17 @@ def split_content(messages: list[dict], placeholders: dict[str, str] | None,
             if limit is not None and counts[modality] > limit:
                 raise RequestError(f"{where}: one prompt may hold at most {limit} {modality}s "
                                    f"(--limit-mm-per-prompt)", param=where)
-            media.append(MediaPart(where, modality, source))
+            media.append(MediaPart(where, modality, source, fps))
             text.append(placeholders[modality])
         out.append({**message, "content": "".join(text)})
     return out, media
 
 
-def _source(part: dict, kind: str, where: str):
-    source = part.get(kind)
-    if kind.endswith("_url"):
-        source = source.get("url") if isinstance(source, dict) else source
+def _source(part: dict, kind: str, where: str) -> tuple[Any, float | None]:
+    """(the part's image or frames, a video part's fps or None; the video processor checks it)."""
+    source, fps = part.get(kind), None
+    if kind.endswith("_url") and isinstance(source, dict):
+        source, fps = source.get("url"), source.get("fps") if kind in VIDEO_PART_TYPES else None
     if source is None or (isinstance(source, (list, tuple, str)) and not source):
         raise RequestError(f"{where} ({kind}) holds no {'image' if kind in IMAGE_PART_TYPES else 'video'}",
                            param=where)
@@ -78,7 +80,7 @@ def _source(part: dict, kind: str, where: str):
         raise RequestError(f"{where}: a video is taken as its frames, a list of image URLs ({kind}.url: "
                            f"[\"data:image/png;base64,...\", ...]); video files are not decoded here (no video "
                            f"decoder)", param=where)
-    return source
+    return source, fps
 
 
 def load_media(parts: list[MediaPart], connector: MediaConnector) -> dict[str, list]:
@@ -96,7 +98,7 @@ def load_media(parts: list[MediaPart], connector: MediaConnector) -> dict[str, l
                 except RequestError as e:  # which frame, in the part's message; the part stays the param
                     raise RequestError(str(e).replace(part.where, f"{part.where} (frame {i})", 1),
                                        param=part.where) from None
-        out.setdefault(part.modality, []).append(item)
+        out.setdefault(part.modality, []).append(item if part.fps is None else (item, {"fps": part.fps}))
     return out
 
 

@@ -42,6 +42,8 @@ class Checkpoint:
     generation_config: dict = field(default_factory=dict)
 
     preprocessor_config: dict = field(default_factory=dict)  # preprocessor_config.json, for image inputs
+    # video_preprocessor_config.json, for video inputs; None: the file is absent (videos take preprocessor_config's)
+    video_preprocessor_config: dict | None = None
 
     # how the checkpoint's weights are stored: "none" (dense) or the quantization they need ("gguf", ...)
     native_quantization = "none"
@@ -100,6 +102,7 @@ class HFCheckpoint(Checkpoint):
             self.files = list(resolved.weight_files)
             self._set_quantization_config(resolved.quantization_config)
             self.preprocessor_config = resolved.preprocessor_config
+            self.video_preprocessor_config = resolved.video_preprocessor_config
             return
         config_path = os.path.join(path, "config.json")
         if not os.path.isfile(config_path):
@@ -117,10 +120,7 @@ class HFCheckpoint(Checkpoint):
         super().__init__(path, model_id or path, config, self.NAMING, generation)
         self.files = self._safetensors_files()
         self._set_quantization_config(raw_config.get("quantization_config") or {})
-        preprocessor_path = os.path.join(path, "preprocessor_config.json")
-        if os.path.isfile(preprocessor_path):
-            with open(preprocessor_path) as f:
-                self.preprocessor_config = json.load(f)
+        self.preprocessor_config, self.video_preprocessor_config = _processor_configs(path)
 
     def _set_quantization_config(self, quantization_config: dict) -> None:
         self.quantization_config = quantization_config
@@ -314,3 +314,28 @@ class GGUFCheckpoint(Checkpoint):
 
     def release_pages(self) -> None:
         self.file.release_pages()
+
+
+def _read_json(path: str) -> dict | None:
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        found = json.load(f)
+    if not isinstance(found, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    return found
+
+
+def _processor_configs(path: str) -> tuple[dict, dict | None]:
+    """(image settings, video settings or None) of a VL checkpoint, in transformers' order: processor_config.json's
+    nested image_processor / video_processor (as transformers 5 saves them), else preprocessor_config.json /
+    video_preprocessor_config.json; videos without settings of their own take the images' (as transformers
+    does)."""
+    processor = _read_json(os.path.join(path, "processor_config.json")) or {}
+    image = processor.get("image_processor")
+    if not isinstance(image, dict):
+        image = _read_json(os.path.join(path, "preprocessor_config.json")) or {}
+    video = processor.get("video_processor")
+    if not isinstance(video, dict):
+        video = _read_json(os.path.join(path, "video_preprocessor_config.json"))
+    return image, video

@@ -28,7 +28,8 @@ def resolve_model(load: LoadConfig) -> ResolvedModel:
         dtype=resolve_dtype(load.dtype, config), max_model_len=config.resolve_max_model_len(load.max_model_len),
         quantization=resolve_quantization(load.quantization, checkpoint),
         quantization_config=checkpoint.quantization_config, generation_config=checkpoint.generation_config,
-        weight_files=checkpoint.weight_files, preprocessor_config=checkpoint.preprocessor_config)
+        weight_files=checkpoint.weight_files, preprocessor_config=checkpoint.preprocessor_config,
+        video_preprocessor_config=checkpoint.video_preprocessor_config)
     config.log_shape(resolved.dtype, resolved.max_model_len)
     logger.info("architecture: %s; quantization: %s", architecture, resolved.quantization)
     return resolved

@@ -9,7 +9,10 @@
 - in the prompt, each image is one <|image_pad|> (between <|vision_start|> and <|vision_end|>, as the chat template
   writes it) expanded to rows * columns / 4 placeholder tokens, which the tower's output replaces.
 A video (its frames) goes the same way, as transformers' Qwen2VLVideoProcessor does it: each pair of frames is one
-temporal patch, the grid (frames / 2, rows, columns), its placeholder <|video_pad|>.
+temporal patch, the grid (frames / 2, rows, columns), its placeholder <|video_pad|>. Its frames' pixel limits come
+from video_preprocessor_config.json, or, where a checkpoint has none, from preprocessor_config.json (as
+transformers falls back to it), else the video processor's defaults; its frame rate (Qwen2.5-VL's temporal
+positions follow it) from the request, else 2 per second.
 Bad input (undecodable data, a remote URL offline, too many images, placeholders that do not match the images) is a
 RequestError naming the problem."""
 from __future__ import annotations
@@ -31,7 +34,8 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 DEFAULT_MIN_PIXELS = 56 * 56
 DEFAULT_MAX_PIXELS = 28 * 28 * 1280  # transformers' default; published checkpoints set their own
 MAX_ASPECT_RATIO = 200
-# a video's frames: transformers' Qwen2VLVideoProcessor defaults (128 to 768 tokens a frame pair)
+# a video's frames where the checkpoint sets no limits: transformers' Qwen2VLVideoProcessor defaults (128 to 768
+# tokens a frame pair)
 VIDEO_MIN_PIXELS = 128 * 28 * 28
 VIDEO_MAX_PIXELS = 768 * 28 * 28
 # frames given as a list carry no time: they are taken as sampled at 2 per second (qwen-vl-utils' default), which
@@ -66,13 +70,23 @@ class ProcessedImage:
     time_interval: float = 1.0  # M-RoPE temporal positions between frames (core/multimodal.py's ImageInput)
 
 
+def pixel_limits(config: dict, default_min: int, default_max: int) -> tuple[int, int]:
+    """(min_pixels, max_pixels) as a Qwen2-VL processor config gives them: its own min_pixels / max_pixels, else
+    its size's shortest_edge / longest_edge (or size's min_pixels / max_pixels, older files), else the defaults."""
+    size = config.get("size") or {}
+    return (config.get("min_pixels") or size.get("shortest_edge") or size.get("min_pixels") or default_min,
+            config.get("max_pixels") or size.get("longest_edge") or size.get("max_pixels") or default_max)
+
+
 class Qwen2VLProcessor:
-    def __init__(self, vision: VisionConfig, preprocessor_config: dict):
-        """preprocessor_config: the checkpoint's preprocessor_config.json ({} for Qwen's defaults)."""
-        cfg, size = preprocessor_config, preprocessor_config.get("size") or {}
+    def __init__(self, vision: VisionConfig, preprocessor_config: dict, video_preprocessor_config: dict | None = None):
+        """preprocessor_config: the checkpoint's preprocessor_config.json ({} for Qwen's defaults);
+        video_preprocessor_config: its video_preprocessor_config.json (None: absent)."""
+        cfg = preprocessor_config
         self.vision = vision
-        self.min_pixels = cfg.get("min_pixels") or size.get("shortest_edge") or size.get("min_pixels") or DEFAULT_MIN_PIXELS
-        self.max_pixels = cfg.get("max_pixels") or size.get("longest_edge") or size.get("max_pixels") or DEFAULT_MAX_PIXELS
+        self.min_pixels, self.max_pixels = pixel_limits(cfg, DEFAULT_MIN_PIXELS, DEFAULT_MAX_PIXELS)
+        video = video_preprocessor_config if video_preprocessor_config is not None else cfg
+        self.video_min_pixels, self.video_max_pixels = pixel_limits(video, VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS)
         self.mean = np.asarray(cfg.get("image_mean", CLIP_MEAN), dtype=np.float32)
         self.std = np.asarray(cfg.get("image_std", CLIP_STD), dtype=np.float32)
         self.rescale = cfg.get("rescale_factor", 1 / 255)
@@ -99,12 +113,14 @@ class Qwen2VLProcessor:
 
     def process_video(self, frames) -> ProcessedImage:
         """A video as its frames (PIL images, data: URLs or bytes, all of one size; or a uint8 array [frames,
-        height, width, 3]) -> its pixel values, grid (t, rows, columns) and placeholder count, as transformers'
+        height, width, 3]), or (frames, metadata) with the rate they were sampled at as metadata["fps"] (vLLM's
+        form; else VIDEO_FPS) -> its pixel values, grid (t, rows, columns) and placeholder count, as transformers'
         Qwen2VLVideoProcessor makes them: the frames resized together (bicubic with antialiasing, in torch, as it
         does), the last repeated up to a multiple of the temporal patch, each pair of frames one temporal patch."""
         import torch
         import torch.nn.functional as F
         v = self.vision
+        frames, fps = video_frames_and_fps(frames)
         if isinstance(frames, np.ndarray):
             if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
                 raise RequestError(f"a video array must be uint8 [frames, height, width, 3], got {frames.dtype} "
@@ -122,7 +138,8 @@ class Qwen2VLProcessor:
             raise RequestError(f"a video may have at most {MAX_VIDEO_FRAMES} frames, got {len(array)}",
                                param="video")
         factor = v.patch_size * v.spatial_merge_size
-        height, width = smart_resize(array.shape[1], array.shape[2], factor, VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS)
+        height, width = smart_resize(array.shape[1], array.shape[2], factor, self.video_min_pixels,
+                                     self.video_max_pixels)
         video = torch.from_numpy(np.ascontiguousarray(array)).permute(0, 3, 1, 2).float()  # [frames, c, h, w]
         video = F.interpolate(video, size=(height, width), mode="bicubic", align_corners=False, antialias=True)
         video = video.clamp_(0, 255).round_()  # back to uint8 values, as torchvision does
@@ -133,9 +150,10 @@ class Qwen2VLProcessor:
         if pad := -len(video) % v.temporal_patch_size:
             video = np.concatenate([video, np.repeat(video[-1:], pad, axis=0)])
         patches, grid = _patchify_video(video, v.patch_size, v.spatial_merge_size, v.temporal_patch_size)
-        interval = 1.0 if v.tokens_per_second is None else \
-            v.tokens_per_second * v.temporal_patch_size / VIDEO_FPS
-        digest = hashlib.sha256(b"video" + np.asarray(grid, dtype=np.int64).tobytes() + patches.tobytes()).digest()
+        interval = 1.0 if v.tokens_per_second is None else v.tokens_per_second * v.temporal_patch_size / fps
+        # the positions after the video follow its interval: two rates must not share cached KV
+        digest = hashlib.sha256(b"video" + np.asarray([interval]).tobytes() + np.asarray(grid, dtype=np.int64).tobytes()
+                                + patches.tobytes()).digest()
         return ProcessedImage(patches, grid, patches.shape[0] // v.merge_unit, digest, interval)
 
     def expand_placeholders(self, ids: list[int], images: list[ProcessedImage],
@@ -163,6 +181,17 @@ class Qwen2VLProcessor:
             out += [pad] * item.num_tokens
             index = start + length
         return out + ids[index:], offsets[v.image_token_id], offsets[v.video_token_id]
+
+
+def video_frames_and_fps(video) -> tuple[object, float]:
+    """(frames, frame rate) of a video given as its frames or as (frames, metadata) with metadata["fps"]."""
+    if not (isinstance(video, tuple) and len(video) == 2 and isinstance(video[1], dict)):
+        return video, VIDEO_FPS
+    frames, metadata = video
+    fps = metadata.get("fps", VIDEO_FPS)
+    if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not 0 < fps < float("inf"):
+        raise RequestError(f"a video's fps must be a positive number, got {fps!r}", param="video")
+    return frames, float(fps)
 
 
 def token_runs(ids: list[int], token: int) -> list[tuple[int, int]]:
