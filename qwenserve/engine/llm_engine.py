@@ -104,7 +104,8 @@ class LLMEngine:
         eos_token_ids = frozenset(resolved.stop_token_ids(self.tokenizer))
         self.adapters = AdapterRegistry(resolved.config, lora.max_lora_rank) if lora.enable_lora else None
         vision = resolved.config.vision
-        image_processor = Qwen2VLProcessor(vision, resolved.preprocessor_config) if vision is not None else None
+        image_processor = (Qwen2VLProcessor(vision, resolved.preprocessor_config, resolved.video_preprocessor_config)
+                           if vision is not None else None)
         self.input_processor = InputProcessor(self.tokenizer, resolved.config.vocab_size, self.max_model_len,
                                               eos_token_ids, config.cache.block_size, self.kv.num_blocks,
                                               self.adapters, image_processor, config.multimodal.limit_mm_per_prompt)
