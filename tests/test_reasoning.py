@@ -298,6 +298,17 @@ def test_a_forced_tool_call_after_the_reasoning(served, stream):
     wait_idle_and_clean(engine)
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_with_tools_an_answer_with_no_call_is_its_content_as_written(served, stream):
+    """Whole and streamed alike, as without tools: the blanks Qwen3 writes after `</think>` stay."""
+    url, _, engine = served
+    tool = {"type": "function", "function": {"name": "pick", "parameters": {"type": "object", "properties": {}}}}
+    assert ask(url, "<think>r</think>\n\nplain answer\n", stream=stream, tools=[tool]) == (
+        "r", "\n\nplain answer\n", "stop", None)
+    from helpers import wait_idle_and_clean
+    wait_idle_and_clean(engine)
+
+
 def test_several_choices_streamed_split_each_as_whole(served):
     """n=2, streamed: each choice's reasoning and content, joined per index, equal the whole answer's split; the
     reasoning holds text that looks like a cut tag and markup, which stays text."""

@@ -46,6 +46,11 @@ CET = ("get_time", {"zone": "CET"})
     ("<tool_call>\n{not json}\n</tool_call>", "<tool_call>\n{not json}\n</tool_call>", []),
     ('```json\n{"a": 1}\n```', '```json\n{"a": 1}\n```', []),
     ("", None, []),
+    # no call: the text as written, as vLLM's hermes parser returns it; blanks next to a call at an end go
+    ("\n\nplain answer\n", "\n\nplain answer\n", []),
+    (f"\n\n<tool_call>\n{WEATHER}\n</tool_call>\n", None, [PARIS]),
+    (f"  Sure.\n<tool_call>\n{WEATHER}\n</tool_call>\n\n", "  Sure.", [PARIS]),
+    (f"<tool_call>\n{WEATHER}\n</tool_call>\n\nDone.\n", "Done.\n", [PARIS]),
 ])
 def test_parser_takes_the_format_and_the_usual_slips_and_never_raises(text, content, expected):
     assert calls(text) == (content, expected)
@@ -121,6 +126,8 @@ ANSWERS = [
     '<tool_call>\n{"name": "get_weather", "arguments": {"city": Paris}}\n</tool_call>',  # breaks after sent
     f"<tool_call>\n{WEATHER}\n<tool_call>\n{TIME}\n</tool_call>",  # a closing tag forgotten
     "```python\nprint({'a': 1})\n```",
+    "\n\nplain answer, blanks around it\n ",
+    f"\n<tool_call>\n{WEATHER}\n</tool_call>\n\n then text\n",
 ]
 
 

@@ -77,7 +77,8 @@ class ToolCallDelta:
 
 
 def parse_tool_calls(text: str, tool_names: set[str]) -> tuple[str | None, list[ToolCall]]:
-    """(the text that is not a call, stripped, or None if there is none; the calls, in order)."""
+    """(the text that is not a call, or None if there is none; the calls, in order). An answer with no call is
+    its text as written, as vLLM's hermes parser returns it."""
     parser = ToolCallParser(tool_names)
     parser.feed(text)
     parser.finish()
@@ -95,7 +96,9 @@ def _ignore(_: str) -> None:
 
 class ToolCallParser:
     """Reads an answer as it comes (feed, then finish at its end) and says, for each piece, what to send: text
-    (str), stripped at both ends of the answer as the whole answer's is, and ToolCallDeltas.
+    (str) and ToolCallDeltas. The text is the answer's as written, calls taken out, except the whitespace between
+    a call and an end of the content (before the first text where a call opens the answer, after the last where
+    one closes it): the same whole and streamed, and an answer with no call is all text, blanks included.
 
     The reading is a generator fed one character at a time (EOF at the end); each reader consumes exactly its
     own text and puts back (_unread) the character that ends it, for the next reader. The text between the mark
@@ -110,7 +113,8 @@ class ToolCallParser:
         self._mark = 0  # the text before it is decided
         self._open: ToolCall | None = None  # a call sent whose JSON has not closed yet
         self._ended = False
-        self._started, self._space = False, ""  # text seen yet; whitespace held until more text follows
+        self._space = ""  # whitespace held until more text follows (or the answer ends after text)
+        self._after_call = False  # a call came after the last text sent
         self._events: list[str | ToolCallDelta] = []
         self._reader = self._answer()
         next(self._reader)
@@ -150,16 +154,19 @@ class ToolCallParser:
         self._mark = self._pos
 
     def _say(self, text: str) -> None:
-        if not self._started:  # the answer's text is stripped: leading whitespace never goes out
+        if not self.content and self.calls:  # the first text after the calls that open the answer: no blanks lead
             text = text.lstrip()
             if not text:
                 return
-            self._started = True
         body = text.rstrip()
         if not body:  # trailing whitespace waits for more text
             self._space += text
             return
         body, self._space = self._space + body, text[len(body):]
+        self._emit(body)
+
+    def _emit(self, body: str) -> None:
+        self._after_call = False
         self.content += body
         if self._events and isinstance(self._events[-1], str):
             self._events[-1] += body
@@ -168,6 +175,9 @@ class ToolCallParser:
 
     def _send_call(self, name: str) -> None:
         """The held text is a call of `name`: send its id and name; its arguments follow."""
+        if not self.content:  # the blanks before a call that opens the answer are no text
+            self._space = ""
+        self._after_call = True
         self._mark = self._pos
         self._open = ToolCall(name, "", f"call_{uuid.uuid4().hex[:24]}")
         self.calls.append(self._open)
@@ -202,6 +212,9 @@ class ToolCallParser:
             char = yield
             if char is EOF:
                 self._release()
+                if self._space and not self._after_call:  # the answer ends in text: its trailing blanks are text
+                    self._emit(self._space)
+                    self._space = ""
                 return
             if char == "<":
                 if (yield from self._literal(START_TAG[1:])):
