@@ -11,7 +11,7 @@ from qwenserve.distributed.layout import check_head_split, shard_kv_heads
 from qwenserve.distributed.tensor_parallel import TensorParallel
 from qwenserve.model.loader.model_loader import LoadedModel, WeightLoadError
 
-from helpers import save_hf_dir, tiny_hf_model
+from helpers import save_hf_dir, tiny_hf_model, tiny_qwen3
 
 BASE = dict(model_type="qwen2", vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, max_position_embeddings=512, rms_norm_eps=1e-6)
@@ -119,6 +119,30 @@ def test_wrong_shape_is_reported(tiny_dir):
     save_file(tensors, path, metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"shape \(65,\).*expects \(64,\)"):
         LoadedModel(tiny_dir, dtype="float32")
+
+
+@pytest.mark.parametrize("field, value, pattern", [
+    # narrower than the checkpoint: each rank's narrowing of the tensor used to cut it to fit, without a word
+    ("intermediate_size", 96, r"model\.layers\.0\.mlp\.down_proj\.weight: RowParallelLinear: checkpoint tensor has "
+                              r"shape \(64, 128\), the model expects \(64, 96\)"),
+    ("num_key_value_heads", 1, r"model\.layers\.0\.self_attn\.k_proj\.weight: QKVParallelLinear shard k: checkpoint "
+                               r"tensor has shape \(64, 64\), the model expects \(32, 64\)"),
+    ("num_attention_heads", 2, r"model\.layers\.0\.self_attn\.o_proj\.weight: RowParallelLinear: checkpoint tensor "
+                               r"has shape \(64, 128\), the model expects \(64, 64\)"),
+    # wider: torch's own narrowing error, naming no tensor
+    ("intermediate_size", 160, r"model\.layers\.0\.mlp\.down_proj\.weight: RowParallelLinear: checkpoint tensor "
+                               r"has shape \(64, 128\), the model expects \(64, 160\)"),
+])
+def test_a_config_width_other_than_the_checkpoints_is_refused(tmp_path, field, value, pattern):
+    """config.json's widths against a Qwen3 checkpoint of intermediate_size 128, 4 heads and 2 kv heads of 32: each
+    tensor is checked whole, before a rank keeps its part, naming the tensor and both shapes."""
+    path = save_hf_dir(tiny_qwen3(3), str(tmp_path / "m"))
+    cfg_path = os.path.join(path, "config.json")
+    cfg = json.load(open(cfg_path))
+    cfg[field] = value
+    json.dump(cfg, open(cfg_path, "w"))
+    with pytest.raises(WeightLoadError, match=rf"{path}: {pattern}"):
+        LoadedModel(path, dtype="float32")
 
 
 def test_bad_config_json_field_through_loader(tiny_dir):

@@ -413,6 +413,21 @@ def test_fp8_experts_match_their_dequantized_weights(tmp_path, kind):
     torch.testing.assert_close(full_logits(model, IDS), hf_logits(ref), atol=2e-5, rtol=1e-5)
 
 
+def test_experts_wider_than_the_config_are_refused(tmp_path):
+    """Experts 160 wide under a config.json of moe_intermediate_size 144: the 128x128 scale grids have the same shape
+    either way, and the codes used to be cut to fit."""
+    path = str(tmp_path / "wide")
+    write_fp8(path, fp8_moe("qwen3_moe"), "block")
+    with open(os.path.join(path, "config.json")) as f:
+        raw = json.load(f)
+    raw["moe_intermediate_size"] = 144
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(raw, f)
+    with pytest.raises(WeightLoadError, match=r"model\.layers\.0\.mlp\.experts\.0\.down_proj\.weight: expert down "
+                                              r"weight has shape \(192, 160\), the model expects \(192, 144\)"):
+        LoadedModel(path, dtype="float32", quantization=None)
+
+
 @pytest.mark.slow
 def test_tensor_parallel_ranks_load_their_slices_of_codes_and_scales(tmp_path):
     """At 2 ranks each rank's rows and columns of the codes and of the 128x128 scale grid; the row-parallel inputs

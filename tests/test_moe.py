@@ -10,6 +10,8 @@ blocks, each rank holding only its experts, and its settings. The ggml_moe kerne
 against the same quantization composed from ggml_mm and against the dense math on the dequantized experts, for
 several block types, loads and dtypes."""
 import dataclasses
+import json
+import os
 
 import numpy as np
 import pytest
@@ -169,6 +171,47 @@ def test_config_fields_are_checked(moe):
     no_experts = {k: v for k, v in config.extra.items() if k not in ("num_experts", "num_local_experts")}
     with pytest.raises(ConfigError, match="lacks field\\(s\\) num_experts"):
         MoEConfig.from_config(dataclasses.replace(config, extra=no_experts), False, shared)
+
+
+@pytest.mark.parametrize("field, value, pattern", [
+    # narrower than the checkpoint: the experts and the shared expert used to be cut to fit, without a word
+    ("moe_intermediate_size", 24, r"experts\.0\.down_proj\.weight: expert down weight has shape \(64, 32\), the "
+                                  r"model expects \(64, 24\)"),
+    ("shared_expert_intermediate_size", 32, r"shared_expert\.down_proj\.weight: RowParallelLinear: checkpoint tensor "
+                                            r"has shape \(64, 64\), the model expects \(64, 32\)"),
+    # wider: torch's own narrowing error, naming no tensor
+    ("moe_intermediate_size", 48, r"experts\.0\.down_proj\.weight: expert down weight has shape \(64, 32\), the "
+                                  r"model expects \(64, 48\)"),
+    ("shared_expert_intermediate_size", 96, r"shared_expert\.down_proj\.weight: RowParallelLinear: checkpoint tensor "
+                                            r"has shape \(64, 64\), the model expects \(64, 96\)"),
+], ids=["experts-narrower", "shared-narrower", "experts-wider", "shared-wider"])
+def test_a_config_width_other_than_the_checkpoints_is_refused(tmp_path, field, value, pattern):
+    """config.json's widths against a Qwen2-MoE checkpoint of experts 32 wide and a shared expert 64 wide: each
+    tensor is checked whole, before a rank keeps its part, naming the tensor and both shapes."""
+    from qwenserve.model.loader.model_loader import LoadedModel, WeightLoadError
+    path = save_hf_dir(tiny_moe("qwen2_moe", seed=2), str(tmp_path / "m"))
+    with open(os.path.join(path, "config.json")) as f:
+        raw = json.load(f)
+    raw[field] = value
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(raw, f)
+    with pytest.raises(WeightLoadError, match=rf"{path}: model\.layers\.0\.mlp\.{pattern}"):
+        LoadedModel(path, dtype="float32")
+
+
+@pytest.mark.parametrize("quantization", ["none", "gguf"])
+def test_a_gguf_expert_width_other_than_the_files_is_refused(request, tmp_path, quantization):
+    """A GGUF file whose expert_feed_forward_length (32) is narrower than its experts (64): refused whether the
+    experts are dequantized or kept as blocks, whose rows and block-aligned columns used to be cut to fit."""
+    from qwenserve.model.loader.model_loader import LoadedModel, WeightLoadError
+    if quantization == "gguf":
+        request.getfixturevalue("ops")
+    hf = tiny_moe("qwen3_moe", seed=1, moe_intermediate_size=64)
+    hf.config.moe_intermediate_size = 32  # what the file says; its experts stay 64 wide
+    path = save_gguf(hf, str(tmp_path / "m.gguf"), quant="Q8_0")
+    with pytest.raises(WeightLoadError, match=r"experts\.0\.gate_proj\.weight: expert gate weight has shape "
+                                              r"\(64, 64\), the model expects \(32, 64\)"):
+        LoadedModel(path, dtype="float32", quantization=quantization)
 
 
 @pytest.mark.multiproc

@@ -88,6 +88,9 @@ class ParallelLMHead(VocabParallelEmbedding):
     def input_shard(self) -> tuple[int, int]:
         return 0, self.input_size
 
+    def checkpoint_shape(self, shard_id=None) -> tuple[int, int]:
+        return self.vocab_size, self.input_size
+
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         """Share the embedding's weight: one parameter, so the checkpoint's one tensor fills both. Whether the
         head runs the embedding's blocks or its dense weight is settled after loading, when it is known which

@@ -1,7 +1,8 @@
 """Linear layers that shard their weight across tensor-parallel ranks.
 
 Each parameter carries a `weight_loader(param, loaded, shard_id=None)` that copies this rank's slice of a
-full checkpoint tensor into it, so the model loader needs no knowledge of the sharding.
+full checkpoint tensor into it, so the model loader needs no knowledge of the sharding. The tensor is first checked
+to be the whole one the config describes (`checkpoint_shape`), as every rank receives it whole.
 """
 from __future__ import annotations
 
@@ -147,10 +148,15 @@ def _log_route(packed: bool, dtype: torch.dtype) -> None:
                     variant.name if variant else "none", WIDEN_IN_REGISTERS_BELOW_ROWS)
 
 
-def _check_shape(param: nn.Parameter, loaded: torch.Tensor, what: str) -> None:
-    if param.shape != loaded.shape:
-        raise ValueError(f"{what}: checkpoint tensor has shape {tuple(loaded.shape)}, "
-                         f"the model expects {tuple(param.shape)}")
+def check_checkpoint_shape(layer: nn.Module, loaded, shard_id=None, bias: bool = False) -> None:
+    """Raise unless a checkpoint tensor (a GGMLTensor too: its shape in weights) is the whole weight (bias: the
+    bias) of the layer's shard, as layer.checkpoint_shape says: checked before a rank narrows it to its part, which
+    would otherwise cut a tensor wider than the config says down to fit."""
+    rows, columns = layer.checkpoint_shape(shard_id)
+    expected = (rows,) if bias else (rows, columns)
+    if tuple(loaded.shape) != expected:
+        raise ValueError(f"{type(layer).__name__}" + ("" if shard_id is None else f" shard {shard_id}") +
+                         f": checkpoint tensor has shape {tuple(loaded.shape)}, the model expects {expected}")
 
 
 class _ParallelLinear(nn.Module):
@@ -178,13 +184,17 @@ class _ParallelLinear(nn.Module):
         """(first column in the checkpoint tensor, columns) of this rank's input."""
         return 0, self.input_size
 
+    def checkpoint_shape(self, shard_id=None) -> tuple[int, int]:
+        """(rows, columns) of the whole checkpoint weight of a (fused) shard, of which every rank keeps a part."""
+        return self.output_size, self.input_size
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         """Copy this rank's part of a checkpoint tensor (weight or bias) into param."""
         offset, size, start = self.output_shard(shard_id)
+        check_checkpoint_shape(self, loaded, shard_id, bias=param.dim() == 1)
         target, loaded = param.data.narrow(0, offset, size), loaded.narrow(0, start, size)
         if param.dim() == 2:
             loaded = loaded.narrow(1, *self.input_shard())
-        _check_shape(target, loaded, type(self).__name__ + ("" if shard_id is None else f" shard {shard_id}"))
         target.copy_(loaded)
 
     def process_weights_after_loading(self) -> None:
@@ -208,6 +218,9 @@ class ColumnParallelLinear(_ParallelLinear):
     def output_shard(self, shard_id=None) -> tuple[int, int, int]:
         return 0, self.output_size, self.tp.rank * self.output_size
 
+    def checkpoint_shape(self, shard_id=None) -> tuple[int, int]:
+        return self.output_size * self.tp.size, self.input_size
+
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs stored as one matrix (gate_proj and up_proj -> gate_up_proj)."""
@@ -221,6 +234,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         size = self.output_sizes[shard_id] // self.tp.size
         return sum(self.output_sizes[:shard_id]) // self.tp.size, size, self.tp.rank * size
 
+    def checkpoint_shape(self, shard_id: int) -> tuple[int, int]:
+        return self.output_sizes[shard_id], self.input_size
+
 
 class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections in one matrix, this rank's query heads and kv heads only."""
@@ -228,6 +244,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = True,
                  tp: TensorParallel = TensorParallel(), linear_method: LinearMethod | None = None):
         self.head_dim = head_dim
+        self.total_num_heads, self.total_num_kv_heads = num_heads, num_kv_heads  # the checkpoint's
         self.num_heads = num_heads // tp.size
         self.num_kv_heads, self.first_kv_head = shard_kv_heads(num_kv_heads, tp)
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
@@ -241,6 +258,11 @@ class QKVParallelLinear(ColumnParallelLinear):
             return q if shard_id == "k" else q + kv, kv, self.first_kv_head * self.head_dim
         raise ValueError(f"unknown qkv shard {shard_id!r}")
 
+    def checkpoint_shape(self, shard_id: str) -> tuple[int, int]:
+        # k and v hold every kv head, whichever this rank keeps (with fewer kv heads than ranks, a replica of one)
+        heads = self.total_num_heads if shard_id == "q" else self.total_num_kv_heads
+        return heads * self.head_dim, self.input_size
+
 
 class RowParallelLinear(_ParallelLinear):
     """Input features split across ranks; partial products are summed with an all-reduce."""
@@ -253,6 +275,9 @@ class RowParallelLinear(_ParallelLinear):
 
     def input_shard(self) -> tuple[int, int]:
         return self.tp.rank * self.input_size, self.input_size
+
+    def checkpoint_shape(self, shard_id=None) -> tuple[int, int]:
+        return self.output_size, self.input_size * self.tp.size
 
     def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
         # the bias is added once, after the reduction

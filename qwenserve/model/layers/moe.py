@@ -78,12 +78,23 @@ class _ExpertProjection(nn.Module):
             fill_scales(self.fp8, param.data, loaded, 0, param.shape[0], 0, self.tp.rank * size, size,
                         exact=self.tp.size == 1)
 
+    def checkpoint_shape(self) -> tuple[int, int]:
+        """(rows, columns) of the expert's whole checkpoint gate, up or down weight, of which every rank keeps a
+        part."""
+        rows, columns = self.weight.shape
+        if self.fused_gate_up:
+            return rows // 2 * self.tp.size, columns
+        return rows, columns * self.tp.size
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         if self.fp8 is not None:  # the codes, as bytes
             if self.online_scales is None:
                 loaded = load_codes(self.fp8, loaded)
             param = nn.Parameter(param.data.view(torch.uint8), requires_grad=False)
-        whole = loaded
+        whole, expected = loaded, self.checkpoint_shape()
+        if tuple(loaded.shape) != expected:  # checked before narrowing, which would cut a wider tensor to fit
+            raise ValueError(f"expert {('gate', 'up')[shard_id] if self.fused_gate_up else 'down'} weight has shape "
+                             f"{tuple(loaded.shape)}, the model expects {expected}")
         if self.fused_gate_up:  # rows [shard * I, (shard + 1) * I) take this rank's rows of gate or up
             size = param.shape[0] // 2
             rows = slice(shard_id * size, (shard_id + 1) * size)
@@ -94,8 +105,6 @@ class _ExpertProjection(nn.Module):
             part = (slice(0, loaded.shape[0]), slice(self.tp.rank * size, (self.tp.rank + 1) * size))
             loaded = loaded.narrow(1, self.tp.rank * size, size)
         target = param.data[rows]
-        if target.shape != loaded.shape:
-            raise ValueError(f"expert weight of shape {tuple(loaded.shape)} does not fit {tuple(target.shape)}")
         if self.online_scales is not None:  # this rank's part of the blocks one process makes, as a linear layer's
             loaded, self.online_scales[rows] = quantize_online_slice(whole, *part, self.fp8.block)
         target.copy_(loaded)

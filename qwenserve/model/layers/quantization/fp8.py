@@ -40,7 +40,7 @@ from torch import nn
 from qwenserve.config.tuning import this_cpu_tuning
 from qwenserve.kernels import cpu_ops_for
 from qwenserve.model.layers.linear import (WIDEN_IN_REGISTERS_BELOW_ROWS, LinearMethod, UnquantizedLinearMethod,
-                                           variant_has_bf16)
+                                           check_checkpoint_shape, variant_has_bf16)
 
 logger = logging.getLogger(__name__)
 
@@ -369,9 +369,7 @@ class FP8LinearMethod(LinearMethod):
         would hold it: no more than that tensor is ever in full precision."""
         offset, size, start = layer.output_shard(shard_id)
         in_start, in_size = layer.input_shard()
-        fits = loaded.dim() == 2 and loaded.shape[0] >= start + size and loaded.shape[1] >= in_start + in_size
-        if not fits or (layer.tp.size == 1 and tuple(loaded.shape) != (size, in_size)):
-            raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, the model expects {(size, in_size)}")
+        check_checkpoint_shape(layer, loaded, shard_id)
         codes, scales = quantize_online_slice(loaded, slice(start, start + size), slice(in_start, in_start + in_size),
                                               self.config.block)
         param.data[offset:offset + size].view(torch.uint8).copy_(codes)

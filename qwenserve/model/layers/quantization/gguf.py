@@ -12,6 +12,7 @@ import torch
 from gguf import GGMLQuantizationType
 from torch import nn
 
+from qwenserve.model.layers.linear import check_checkpoint_shape
 from qwenserve.model.layers.quantization.ggml_blocks import BLOCK, GGMLBlockLinearMethod, quantize_q8_0
 from qwenserve.model.loader.ggml_tensor import GGMLTensor
 
@@ -33,11 +34,8 @@ class GGUFLinearMethod(GGMLBlockLinearMethod):
 
     def _load(self, layer: nn.Module, param: nn.Parameter, loaded, shard_id=None) -> None:
         offset, size, start = layer.output_shard(shard_id)
+        check_checkpoint_shape(layer, loaded, shard_id)
         segment = _columns(loaded.narrow(0, start, size), *layer.input_shard())
-        if tuple(segment.shape) != (size, layer.input_size):
-            raise ValueError(f"{type(layer).__name__}" + ("" if shard_id is None else f" shard {shard_id}") +
-                             f": checkpoint tensor has shape {tuple(loaded.shape)}, the model expects rows "
-                             f"{start}:{start + size} of {layer.input_size} columns")
         if isinstance(segment, torch.Tensor):  # a float tensor in the file (F16, F32)
             segment = segment.to(layer.weight_dtype).contiguous()
         layer.segments.append((offset, segment))

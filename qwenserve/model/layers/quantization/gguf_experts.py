@@ -64,14 +64,14 @@ class ExpertBlockCollector:
         """Keep this rank's rows (gate, up) or columns (down) of one expert's checkpoint tensor: GGMLTensor blocks
         (a view of the file) or a float tensor."""
         size = self.inter
+        whole = self.inter * self.tp.size  # every rank reads the whole tensor and keeps its part
+        expected = (self.hidden, whole) if part == "down" else (whole, self.hidden)
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"expert {part} weight has shape {tuple(loaded.shape)}, the model expects {expected}")
         if part == "down":
             loaded = _columns(loaded, self.tp.rank * size, size)
-            expected = (self.hidden, size)
         else:
             loaded = loaded.narrow(0, self.tp.rank * size, size)
-            expected = (size, self.hidden)
-        if tuple(loaded.shape) != expected:
-            raise ValueError(f"expert {part} weight of shape {tuple(loaded.shape)} does not fit {expected}")
         self.loaded[part][expert] = loaded
 
     def float_in_file(self) -> bool:

@@ -96,10 +96,11 @@ class GroupQuantizedLinearMethod(GGMLBlockLinearMethod):
     def _this_rank(self, layer: nn.Module, shard_id, codes, scales, zeros, groups):
         offset, size, start = layer.output_shard(shard_id)
         in_start, in_size = layer.input_shard()
-        if codes.shape[0] < start + size or codes.shape[1] < in_start + in_size:
+        expected = layer.checkpoint_shape(shard_id)  # the whole weight, of which this rank keeps a part
+        if tuple(codes.shape) != expected:
             where = "" if shard_id is None else f" (shard {shard_id})"
-            raise ValueError(f"{self.name} weights unpack to {tuple(codes.shape)} (out, in); the model needs "
-                             f"rows {start}:{start + size} and columns {in_start}:{in_start + in_size}{where}")
+            raise ValueError(f"{self.name} weights unpack to {tuple(codes.shape)} (out, in); the model expects "
+                             f"{expected}{where}")
         rows = slice(start, start + size)
         return (codes[rows, in_start:in_start + in_size], scales[rows], zeros[rows],
                 groups[in_start:in_start + in_size])
