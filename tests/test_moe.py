@@ -184,7 +184,10 @@ def test_config_fields_are_checked(moe):
                                   r"model expects \(64, 48\)"),
     ("shared_expert_intermediate_size", 96, r"shared_expert\.down_proj\.weight: RowParallelLinear: checkpoint tensor "
                                             r"has shape \(64, 64\), the model expects \(64, 96\)"),
-], ids=["experts-narrower", "shared-narrower", "experts-wider", "shared-wider"])
+    # none at all: only the empty shared expert transformers writes at width 0 may be dropped
+    ("shared_expert_intermediate_size", 0, r"shared_expert\.down_proj\.weight: checkpoint tensor has shape "
+                                           r"\(64, 64\), but config field shared_expert_intermediate_size is 0"),
+], ids=["experts-narrower", "shared-narrower", "experts-wider", "shared-wider", "shared-none"])
 def test_a_config_width_other_than_the_checkpoints_is_refused(tmp_path, field, value, pattern):
     """config.json's widths against a Qwen2-MoE checkpoint of experts 32 wide and a shared expert 64 wide: each
     tensor is checked whole, before a rank keeps its part, naming the tensor and both shapes."""

@@ -94,9 +94,17 @@ def load_weights(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]], n
     packed = model.packed_modules_mapping
     loaded: set[tuple[str, object]] = set()
     unexpected: list[str] = []
+    check_dropped = getattr(model, "check_dropped", None)
     for name, tensor in weights:
         target = model.checkpoint_target(name)  # None: a tied head's copy, or another pipeline stage's
-        if name.endswith(_IGNORED_SUFFIXES) or target is None:
+        if name.endswith(_IGNORED_SUFFIXES):
+            continue
+        if target is None:
+            if check_dropped is not None:
+                try:
+                    check_dropped(name, tensor)
+                except ValueError as e:
+                    raise WeightLoadError(f"{name}: {e}") from e
             continue
         kv_scale = _KV_SCALE.match(target)
         if kv_scale is not None and isinstance(modules.get(kv_scale["layer"] + ".attn"), Attention):

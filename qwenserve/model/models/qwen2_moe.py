@@ -19,6 +19,7 @@ run, they stay as the file's blocks and run on them (model/layers/moe.py); other
 dtype."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -185,7 +186,15 @@ class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
 
     def checkpoint_target(self, name: str) -> str | None:
         # transformers writes a shared expert of width 0 (and its gate) where shared_expert_intermediate_size is 0:
-        # it adds nothing, and this model has none to load it into
+        # it adds nothing, and this model has none to load it into (check_dropped refuses one that is not empty)
         if ".mlp.shared_expert" in name and not self.config.extra.get("shared_expert_intermediate_size"):
             return None
         return super().checkpoint_target(name)
+
+    def check_dropped(self, name: str, tensor) -> None:
+        """Raise where a checkpoint tensor this model drops holds weights: a shared expert of some width where
+        config.json says it has none (its gate alone scales nothing, and is dropped whatever its shape)."""
+        if (".mlp.shared_expert." in name and not self.config.extra.get("shared_expert_intermediate_size")
+                and math.prod(tensor.shape)):
+            raise ValueError(f"checkpoint tensor has shape {tuple(tensor.shape)}, but config field "
+                             "shared_expert_intermediate_size is 0: the model has no shared expert to load it into")
