@@ -413,6 +413,45 @@ def test_fp8_experts_match_their_dequantized_weights(tmp_path, kind):
     torch.testing.assert_close(full_logits(model, IDS), hf_logits(ref), atol=2e-5, rtol=1e-5)
 
 
+def expert_projections(layers=2, experts=4):
+    return tuple(f"model.layers.{layer}.mlp.experts.{e}.{proj}" for layer in range(layers) for e in range(experts)
+                 for proj in ("gate_proj", "up_proj", "down_proj"))
+
+
+@pytest.mark.parametrize("kind, config", [
+    ("block", dict(BLOCK_CONFIG, ignored_layers=list(expert_projections()))),
+    ("ct-channel", ct_config("channel", ignore=("lm_head", r"re:.*mlp\.experts\..*"))),
+    # static input scales on every other layer: the experts, left dense, take none
+    ("ct-tensor-static", ct_config("tensor", static_input=True, ignore=("lm_head", r"re:.*mlp\.experts\..*"))),
+])
+def test_experts_the_config_leaves_unquantized_load_dense(tmp_path, kind, config):
+    """An FP8 checkpoint whose ignored_layers / ignore name every expert projection holds them dense: they load dense,
+    as any ignored layer does, the other layers in FP8."""
+    ref = write_fp8(tmp_path / kind, fp8_moe("qwen3_moe"), kind, ignore=expert_projections(), config=config)
+    model = LoadedModel(str(tmp_path / kind), dtype="float32", quantization=None).model
+    experts = model.model.layers[0].mlp.experts
+    assert experts.w13.dtype == torch.float32 and experts.w2.dtype == torch.float32
+    assert projection(model, 0, "qkv_proj").weight.dtype == E4M3
+    torch.testing.assert_close(full_logits(model, IDS), hf_logits(ref), atol=2e-5, rtol=1e-5)
+
+
+def test_experts_are_left_unquantized_all_or_none(tmp_path):
+    """One expert of a layer left unquantized is refused, naming it and the others (one layer's experts are held in
+    one format); experts kept in FP8 with static input scales still are."""
+    some = expert_projections(layers=1, experts=1)
+    write_fp8(tmp_path / "some", fp8_moe("qwen3_moe"), "block", ignore=some,
+              config=dict(BLOCK_CONFIG, ignored_layers=list(some)))
+    experts = r"model\.layers\.0\.mlp\.experts"
+    with pytest.raises(ValueError, match=rf"fp8: quantization_config leaves {experts}\.0\.gate_proj, "
+                                         rf"{experts}\.0\.up_proj, {experts}\.0\.down_proj unquantized but not "
+                                         rf"{experts}\.1\.gate_proj, .* and 5 more; qwenserve holds a layer's experts "
+                                         r"in one format"):
+        LoadedModel(str(tmp_path / "some"), dtype="float32", quantization=None)
+    write_fp8(tmp_path / "static", fp8_moe("qwen3_moe"), "ct-tensor-static")
+    with pytest.raises(ValueError, match="compressed-tensors: experts with static input scales are not supported"):
+        LoadedModel(str(tmp_path / "static"), dtype="float32", quantization=None)
+
+
 def test_experts_wider_than_the_config_are_refused(tmp_path):
     """Experts 160 wide under a config.json of moe_intermediate_size 144: the 128x128 scale grids have the same shape
     either way, and the codes used to be cut to fit."""

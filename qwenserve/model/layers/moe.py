@@ -8,7 +8,8 @@ experts.E.down_proj.weight, after the loader's gate/up fusion), so the loader fi
 projection; the tokens are grouped by expert and only the chosen experts run, in PyTorch. An FP8 checkpoint's
 experts (quantization/fp8.py) are held that way too, as e4m3 codes with their scales per row beside them (s13, s2,
 named weight_scale_inv / weight_scale as the checkpoint names them; made at load under online fp8), run one byte a
-weight by the FP8 linear path (fp8_linear). As blocks (a GGUF file under the `gguf` quantization, where the kernels
+weight by the FP8 linear path (fp8_linear); where its quantization_config leaves them unquantized they are dense
+(FusedExperts.checkpoint_named). As blocks (a GGUF file under the `gguf` quantization, where the kernels
 run): each expert's parameters are placeholders whose loaders keep the file's blocks, stacked per projection once
 loaded, and one ggml_moe call runs the chosen experts on them (quantization/gguf_experts.py). Under tensor
 parallelism each rank holds its slice of every expert's intermediate dimension (vLLM's default); the partial outputs
@@ -26,8 +27,8 @@ from qwenserve.config.errors import ConfigError
 from qwenserve.config.tuning import this_cpu_tuning
 from qwenserve.distributed.layout import check_expert_split, local_experts
 from qwenserve.distributed.tensor_parallel import TensorParallel
-from qwenserve.model.layers.quantization.fp8 import (E4M3, expert_config, fill_scales, fp8_linear, fp8_ops, load_codes,
-                                                     quantize_online_slice)
+from qwenserve.model.layers.quantization.fp8 import (E4M3, expert_config, experts_left_dense, fill_scales, fp8_linear,
+                                                     fp8_ops, load_codes, quantize_online_slice)
 from qwenserve.model.layers.quantization.ggml_blocks import activation_levels
 from qwenserve.model.layers.quantization.gguf_experts import ExpertBlockCollector, expert_kernels
 
@@ -183,18 +184,23 @@ class FusedExperts(nn.Module):
             self.first_expert, self.num_local_experts = 0, num_experts
             inter, split = intermediate_size // tp.size, tp
         self.num_experts, self.tp = num_experts, tp
-        local = self.num_local_experts
+        self.hidden_size, self.inter, self.split = hidden_size, inter, split
         self.blocks = None  # the stacked blocks ggml_moe runs, once loaded
         self.ops = expert_kernels(linear_method, torch.empty(0).device)  # where the model is being built
         self.fp8 = expert_config(linear_method)  # FP8 experts: e4m3 codes, and their scales s13 / s2 per row
-        self.fp8_ops = fp8_ops(torch.empty(0).device) if self.fp8 is not None else None
         self.collector = None
         if self.ops is not None:
-            self.collector = ExpertBlockCollector(local, hidden_size, inter, split)
+            self.collector = ExpertBlockCollector(self.num_local_experts, hidden_size, inter, split)
             self.act_levels = activation_levels(torch.get_default_dtype(), this_cpu_tuning())
             self.register_buffer("w13", None, persistent=False)  # made only where the file's experts are float
             self.register_buffer("w2", None, persistent=False)
-        else:
+        self._make_experts()
+
+    def _make_experts(self) -> None:
+        """The experts' children and, unless they keep blocks, their stacked weights (and FP8 scales)."""
+        local, inter, hidden_size = self.num_local_experts, self.inter, self.hidden_size
+        self.fp8_ops = fp8_ops(torch.empty(0).device) if self.fp8 is not None else None
+        if self.ops is None:
             dtype = None if self.fp8 is None else E4M3
             self.register_buffer("w13", torch.empty(local, 2 * inter, hidden_size, dtype=dtype), persistent=False)
             self.register_buffer("w2", torch.empty(local, hidden_size, inter, dtype=dtype), persistent=False)
@@ -204,7 +210,7 @@ class FusedExperts(nn.Module):
                                                         dtype=torch.float32), persistent=False)
                 self.register_buffer("s2", torch.zeros(local, hidden_size, -(-inter // group) if group else 1,
                                                        dtype=torch.float32), persistent=False)
-        for e in range(num_experts):
+        for e in range(self.num_experts):
             slot = e - self.first_expert
             if not 0 <= slot < local:
                 self.add_module(str(e), _OtherRanksExpert(self.fp8))
@@ -212,7 +218,22 @@ class FusedExperts(nn.Module):
                 self.add_module(str(e), _ExpertOfBlocks(self.collector, slot))
             else:
                 scales = (None, None) if self.fp8 is None else (self.s13[slot], self.s2[slot])
-                self.add_module(str(e), _Expert(self.w13[slot], self.w2[slot], split, self.fp8, *scales))
+                self.add_module(str(e), _Expert(self.w13[slot], self.w2[slot], self.split, self.fp8, *scales))
+
+    def checkpoint_named(self, names_of) -> None:
+        """Told the names a checkpoint may give its parts (names_of("0.gate_proj"): expert 0's gate_proj, the
+        published name first), as the loader tells linear layers theirs: experts an FP8 checkpoint's
+        quantization_config leaves unquantized are made dense (quantization/fp8.py, experts_left_dense). Called
+        where the model is built, before it loads."""
+        if self.fp8 is None:
+            return
+        projections = [names_of(f"{e}.{proj}") for e in range(self.num_experts)
+                       for proj in ("gate_proj", "up_proj", "down_proj")]
+        if experts_left_dense(self.fp8, projections):
+            self.fp8 = None
+            for name in ("s13", "s2"):
+                delattr(self, name)
+            self._make_experts()
 
     def process_weights_after_loading(self) -> None:
         """Stack the collected blocks for ggml_moe, or (experts float in the file) fill the dense weights."""

@@ -74,17 +74,21 @@ def load_model(resolved: ResolvedModel, device: str | torch.device = "cpu", tp: 
 
 def name_layers(model: CausalLM) -> None:
     """Tell each linear method that asks (`named`) the checkpoint names of its layer's shards (q_proj, k_proj and
-    v_proj of a qkv_proj): a checkpoint's list of layers left unquantized is by those names. A model whose
-    checkpoints name a module in more than one way (Qwen2-VL: as published and as transformers 5 does) gives them
-    all (`checkpoint_names`), the published one first."""
+    v_proj of a qkv_proj), and each module of several checkpoint layers that asks (`checkpoint_named`: a layer's
+    experts) how its parts are named: a checkpoint's list of layers left unquantized is by those names. A model
+    whose checkpoints name a module in more than one way (Qwen2-VL: as published and as transformers 5 does) gives
+    them all (`checkpoint_names`), the published one first."""
     packed = model.packed_modules_mapping
     names_of = getattr(model, "checkpoint_names", lambda name: (name,))
-    for name, module in model.named_modules():
+    for name, module in list(model.named_modules()):  # a module told its names may rebuild its children
         named = getattr(getattr(module, "linear_method", None), "named", None)
         if named is not None:
             parent, _, leaf = name.rpartition(".")
             shards = {shard: names_of(f"{parent}.{part}") for part, (fused, shard) in packed.items() if fused == leaf}
             named(module, shards or {None: names_of(name)})
+        parts_named = getattr(module, "checkpoint_named", None)
+        if parts_named is not None:
+            parts_named(lambda part, prefix=name: names_of(f"{prefix}.{part}"))
 
 
 def load_weights(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]], naming: str) -> None:

@@ -16,7 +16,8 @@ Every layout is kept as codes [out, in] and scales [out, groups] (each row's sca
 block's scale repeated over its rows, a tensor's over all rows), which fused layers (qkv, gate_up) and
 tensor-parallel slices cut at any row. Layers the config leaves unquantized (ignored_layers,
 modules_to_not_convert, compressed-tensors' ignore) are made dense when the model learns its layers' names
-(`named`); the LM head, embeddings and norms are never quantized here.
+(`named`), a layer's experts too, all of them or none (`experts_left_dense`); the LM head, embeddings and norms are
+never quantized here.
 
 apply() keeps the weights one byte each: below WIDEN_IN_REGISTERS_BELOW_ROWS activation rows (decode, batched
 decode, speculative verify) our fp8_mm widens the codes in registers inside its dot products (kernels/cpu/dense.cpp);
@@ -236,12 +237,30 @@ def quantize_input_static(x: torch.Tensor, scale: float) -> torch.Tensor:
 
 def expert_config(linear_method) -> FP8Config | None:
     """The FP8 format of a mixture-of-experts layer built with this linear method (its experts then hold e4m3 codes
-    and scales: moe.py; online, quantized as they load), or None (dense experts)."""
-    if not isinstance(linear_method, FP8LinearMethod):
-        return None
-    if linear_method.config.static_input:
-        raise ValueError(f"{linear_method.config.source}: experts with static input scales are not supported")
-    return linear_method.config
+    and scales: moe.py; online, quantized as they load), or None (dense experts). Until the layer learns its
+    experts' names (experts_left_dense), an FP8 checkpoint's experts are taken to be quantized."""
+    return linear_method.config if isinstance(linear_method, FP8LinearMethod) else None
+
+
+def experts_left_dense(config: FP8Config, projections: list[tuple[str, ...]]) -> bool:
+    """Whether an FP8 checkpoint's quantization_config leaves a layer's experts unquantized, so that they load
+    dense, as an ignored linear layer does. projections: the names a checkpoint may give each expert projection
+    (gate_proj, up_proj, down_proj of every expert), the published one first. The config must leave all of them or
+    none (one layer's experts are held in one format), and experts held in FP8 must have dynamic inputs."""
+    if config.online:
+        return False
+    skipped = [names[0] for names in projections if any(ignored(name, config.ignore) for name in names)]
+    if skipped and len(skipped) < len(projections):
+        kept = [names[0] for names in projections if names[0] not in skipped]
+        raise ValueError(f"{config.source}: quantization_config leaves {_some(skipped)} unquantized but not "
+                         f"{_some(kept)}; qwenserve holds a layer's experts in one format")
+    if not skipped and config.static_input:
+        raise ValueError(f"{config.source}: experts with static input scales are not supported")
+    return bool(skipped)
+
+
+def _some(names: list[str], limit: int = 4) -> str:
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 def fill_scales(config: FP8Config, target: torch.Tensor, loaded: torch.Tensor, offset: int, size: int, start: int,
