@@ -163,6 +163,8 @@ def test_config_fields_are_checked(moe):
     for extra, message in [({"num_experts_per_tok": 9}, "num_experts_per_tok \\(9\\) is more than num_experts"),
                            ({"moe_intermediate_size": 0}, "moe_intermediate_size must be a positive integer"),
                            ({"mlp_only_layers": [3]}, "mlp_only_layers holds \\[3\\]"),
+                           ({"mlp_only_layers": 1}, "mlp_only_layers must be a list of layer numbers, got 1"),
+                           ({"mlp_only_layers": [True]}, "mlp_only_layers holds \\[True\\]"),
                            ({"norm_topk_prob": "yes"}, "norm_topk_prob must be true or false"),
                            ({"decoder_sparse_step": 0}, "decoder_sparse_step must be a positive integer")]:
         bad = dataclasses.replace(config, extra={**config.extra, **extra})

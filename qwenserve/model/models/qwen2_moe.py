@@ -53,11 +53,14 @@ class MoEConfig:
                    + (("shared_expert_intermediate_size",) if shared_expert else ()) if k not in extra]
         if missing:
             raise ConfigError(f"config.json of a mixture-of-experts model lacks field(s) {', '.join(missing)}")
+        mlp_only_layers = extra.get("mlp_only_layers")
+        if mlp_only_layers is not None and not isinstance(mlp_only_layers, (list, tuple)):
+            raise ConfigError(f"config field mlp_only_layers must be a list of layer numbers, got {mlp_only_layers!r}")
         out = cls(num_experts=extra["num_experts"], top_k=extra["num_experts_per_tok"],
                   intermediate_size=extra["moe_intermediate_size"],
                   norm_topk_prob=extra.get("norm_topk_prob", norm_topk_prob_default),
                   decoder_sparse_step=extra.get("decoder_sparse_step", 1),
-                  mlp_only_layers=tuple(extra.get("mlp_only_layers") or ()),
+                  mlp_only_layers=tuple(mlp_only_layers or ()),
                   shared_expert_intermediate_size=extra.get("shared_expert_intermediate_size", 0)
                   if shared_expert else 0)
         for name in ("num_experts", "top_k", "intermediate_size", "decoder_sparse_step"):
@@ -70,7 +73,8 @@ class MoEConfig:
                               f"({out.num_experts})")
         if not isinstance(out.norm_topk_prob, bool):
             raise ConfigError(f"config field norm_topk_prob must be true or false, got {out.norm_topk_prob!r}")
-        bad = [i for i in out.mlp_only_layers if not isinstance(i, int) or not 0 <= i < config.num_hidden_layers]
+        bad = [i for i in out.mlp_only_layers
+               if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < config.num_hidden_layers]
         if bad:
             raise ConfigError(f"config field mlp_only_layers holds {bad}, not layer numbers (0 to "
                               f"{config.num_hidden_layers - 1})")
