@@ -7,7 +7,8 @@ process's TensorParallel, the QuantizationScheme, its PipelineParallel), called 
 dtype as torch's default dtype and the device as the default device, so parameters are created in both. The
 loader then copies each checkpoint tensor (HF names) into `checkpoint_target(name)`, through
 `packed_modules_mapping` for fused layers and each parameter's own `weight_loader`, and calls
-`process_weights_after_loading(after_each)` once all are in.
+`process_weights_after_loading(after_each)` once all are in. A tensor checkpoint_target drops (None) goes to the
+optional `check_dropped(name, tensor)`, which raises ValueError where dropping it would lose weights.
 
 GGUF files (optional members, read by model/loader/checkpoint.py): `gguf_layer_names`, a dict of the family's own
 llama.cpp layer tensor names to HF module names ("ffn_gate_inp": "mlp.gate"; "{expert}" in the HF name marks a 3-D
