@@ -2,8 +2,9 @@
 settings and checks (the same tokenizer), the scheduler's lookahead slots for the draft's K/V, and the engine,
 where greedy output must equal the output without speculation token for token (seeded sampling too), a draft that
 is the target itself must have every draft accepted (its K/V kept right across rejections, prefix-cache hits,
-chunked prefill, preemption and forks), ids past the target's vocabulary are never proposed, and constrained
-requests beside speculating ones stay exact."""
+chunked prefill, preemption and forks), ids past the target's vocabulary are never proposed, a sequence holding
+an id past the draft's rows decodes without proposals, and constrained requests beside speculating ones stay
+exact."""
 import re
 
 import pytest
@@ -184,6 +185,39 @@ def test_ids_past_the_target_vocabulary_are_never_proposed(tiny, padded_draft, p
     assert proposed and max(proposed) < TARGET_VOCAB
     stats = llm.engine.stats()
     assert stats["spec_num_accepted_tokens"] > stats["spec_num_draft_tokens"] / 2  # the perturbed target agrees
+
+
+def test_a_sequence_with_ids_past_the_drafts_rows_decodes_without_proposals(small_draft, tmp_path):
+    """A target padded to 352 rows over the same 320-token tokenizer as its 320-row draft (as Qwen2.5-7B against
+    Qwen2.5-0.5B): a sequence holding an id from 320 up (in its prompt, or sampled by the target) gets no
+    proposals, the draft never reads such an id, and the sequences beside it speculate on; greedy output is the
+    plain one."""
+    wide = save_with_target_tokenizer(tiny_hf_model(seed=21, vocab_size=TARGET_VOCAB + 32,
+                                                    max_position_embeddings=512), str(tmp_path / "wide"))
+    llm = LLM(wide, dtype="float32", kv_cache_memory="8MiB", speculative_config=draft_config(small_draft))
+    proposer = llm.engine.executor.worker.model_runner.proposer
+    read, proposed_for = [], []
+    forward, propose = proposer.model.forward, proposer.propose_batch
+
+    def spy_forward(input_ids, *args, **kwargs):
+        read.append(int(input_ids.max()))
+        return forward(input_ids, *args, **kwargs)
+
+    def spy_propose(requests):
+        out = propose(requests)
+        for (_, tokens, _), drafts in zip(requests, out):
+            proposed_for.append((max(tokens) >= TARGET_VOCAB, bool(drafts)))
+        return out
+    proposer.model.forward, proposer.propose_batch = spy_forward, spy_propose
+    prompts = prompts_of(2)
+    prompts[1] = prompts[1][:-1] + [TARGET_VOCAB + 13]
+    got = token_ids(generate(llm, prompts, max_tokens=24, **GREEDY))
+    plain = LLM(wide, dtype="float32", kv_cache_memory="8MiB")
+    assert got == token_ids(generate(plain, prompts, max_tokens=24, **GREEDY))
+    assert read and max(read) < TARGET_VOCAB
+    # (holds an id past the draft's rows, got proposals): never both; each of the others seen
+    assert (True, True) not in proposed_for and (True, False) in proposed_for and (False, True) in proposed_for
+    assert_no_leak(llm)
 
 
 def check_proposals(llm) -> list[bool]:

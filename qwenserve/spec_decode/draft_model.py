@@ -15,7 +15,11 @@ the previous proposal's K/V into a lookahead slot the scheduler allocated with t
 the target accepted keep their K/V and the rejected ones' slots are written again.
 
 Proposals are target token ids: the draft's logits are cut to the target's vocabulary (their sizes may differ
-where the embeddings are padded), so an id the target has no row for is never proposed."""
+where the embeddings are padded), so an id the target has no row for is never proposed. The other way round, a
+sequence that holds an id the draft has no embedding row for (a target padded wider than its draft, as Qwen2.5-7B's
+152064 rows are against Qwen2.5-0.5B's 151936, with the id in the prompt or sampled by the target) gets no proposals
+from then on: it decodes plainly, and the draft never reads that id. Each sequence's ids are checked once, as they
+arrive."""
 from __future__ import annotations
 
 import numpy as np
@@ -25,15 +29,17 @@ from qwenserve.model.layers.attention import AttentionMetadata, DecodeGroup, Pag
 
 
 class DraftModelProposer:
-    def __init__(self, model, kv_cache: PagedKVCache, target_vocab_size: int, max_model_len: int,
-                 decode_kernel: bool):
+    def __init__(self, model, kv_cache: PagedKVCache, target_vocab_size: int, draft_vocab_size: int,
+                 max_model_len: int, decode_kernel: bool):
         """model: the draft (a CausalLM, one stage); kv_cache: its cache, with as many blocks as the target's;
-        max_model_len: the draft's context length (no K/V is written past it); decode_kernel: decode attention
-        runs on the CPU kernel (then decode groups carry context_lens)."""
+        draft_vocab_size: the draft's embedding rows (ids from it up get no proposals); max_model_len: the draft's
+        context length (no K/V is written past it); decode_kernel: decode attention runs on the CPU kernel (then
+        decode groups carry context_lens)."""
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.target_vocab_size = target_vocab_size
+        self.draft_vocab_size = draft_vocab_size
         self.max_model_len = max_model_len
         self.decode_kernel = decode_kernel
         self.device = model.device
@@ -47,7 +53,7 @@ class DraftModelProposer:
         active = []  # (index, seq, tokens, proposals wanted)
         for i, (seq, tokens, num) in enumerate(requests):
             num = min(num, self.max_model_len - len(tokens) + 1)  # the last proposal's K/V is never written
-            if num >= 1:
+            if num >= 1 and self._draft_reads(seq, tokens):
                 active.append((i, seq, tokens, num))
         if not active:
             return out
@@ -70,6 +76,14 @@ class DraftModelProposer:
             seq.draft_num_computed = len(tokens)
             seq.draft_proposal = out[i][:-1]  # those whose K/V were written, after the tokens
         return out
+
+    def _draft_reads(self, seq, tokens: list[int]) -> bool:
+        """Whether the draft has an embedding row for every id of tokens. Only the ids not seen before are checked
+        (a sequence's tokens only grow), and a sequence found with one stays out for good."""
+        if not seq.draft_out_of_vocab and seq.draft_vocab_checked < len(tokens):
+            seq.draft_out_of_vocab = max(tokens[seq.draft_vocab_checked:]) >= self.draft_vocab_size
+            seq.draft_vocab_checked = len(tokens)
+        return not seq.draft_out_of_vocab
 
     def _forward(self, rows: list[tuple[list[int], int, int]], token_lists: list[list[int]],
                  whole: bool = True) -> list[int]:

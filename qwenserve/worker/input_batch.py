@@ -40,6 +40,10 @@ class SequenceState:
     # draft's K/V of its tokens, and the proposals whose K/V the draft wrote after them
     draft_num_computed: int = 0
     draft_proposal: list[int] = field(default_factory=list)
+    # how many of its tokens were checked for ids the draft has no embedding row for, and whether one was found
+    # (then it gets no proposals)
+    draft_vocab_checked: int = 0
+    draft_out_of_vocab: bool = False
 
     def mrope(self, start: int, end: int) -> np.ndarray:
         """[3, end - start] M-RoPE positions of tokens start..end-1."""

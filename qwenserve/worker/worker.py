@@ -122,8 +122,9 @@ class Worker:
         (num_layers, block_size, num_kv_heads, head_dim), dtype = self._draft_kv
         self.draft_kv_cache = PagedKVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype,
                                            self.device)
+        draft = self.config.resolved_draft_model
         return DraftModelProposer(self.draft_model, self.draft_kv_cache, self.config.resolved_model.config.vocab_size,
-                                  self.config.resolved_draft_model.max_model_len, decode_kernel_available(self.device))
+                                  draft.config.vocab_size, draft.max_model_len, decode_kernel_available(self.device))
 
     @property
     def num_kv_blocks(self) -> int:

@@ -80,7 +80,8 @@ def resolve_draft_model(load: LoadConfig, draft: str, target: ResolvedModel, tar
     """The draft checkpoint of speculative_config's draft_model, resolved as the target is (same dtype request, its
     own quantization and context length), and checked against the target: a plain Qwen2 language model whose
     tokenizer is the target's token for token (its proposals are target token ids). Its vocabulary size may
-    differ (Qwen2.5-0.5B pads its embeddings to 151936 rows, the larger ones to 152064): the tokenizer decides."""
+    differ (Qwen2.5-0.5B pads its embeddings to 151936 rows, the larger ones to 152064): the tokenizer decides, and
+    a sequence holding an id past the draft's rows decodes without proposals (spec_decode/draft_model.py)."""
     try:
         resolved = resolve_model(dataclasses.replace(load, model=draft, quantization=None, max_model_len=None,
                                                           hf_overrides=None))
