@@ -121,6 +121,19 @@ def test_bin_adapter_equals_safetensors(llm, base, adapters, tmp_path):
     assert out.token_ids == run(llm, [ids], adapters["attn"][0])[0].token_ids
 
 
+@pytest.mark.parametrize("targets", ["all-linear", ["model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"]])
+def test_full_module_paths_in_target_modules_are_served(llm, base, tmp_path, targets):
+    """PEFT saves full module paths for "all-linear" on a small model (and keeps paths a user lists): each is
+    judged by its last part."""
+    path = str(tmp_path / "paths")
+    peft_model = make_adapter(base[0], path, seed=7, r=4, lora_alpha=8, target_modules=targets)
+    with open(os.path.join(path, "adapter_config.json")) as f:
+        assert all("." in name for name in json.load(f)["target_modules"])
+    ids = prompt(9, seed=6)
+    out, = run(llm, [ids], LoRARequest(f"paths-{len(targets)}", 60 + len(targets), path))
+    assert out.token_ids == reference(peft_model, ids, GREEDY.max_tokens)[0]
+
+
 def test_bfloat16_adapter_stays_close_to_peft(base, adapters):
     """In bf16 (oneDNN-packed base weights on the CPU, adapter weights in bf16) the adapter is applied and the
     logits stay near PEFT's float32 ones."""
@@ -339,6 +352,8 @@ BAD_ADAPTERS = {
     "lora-bias": ({"lora_bias": True}, None, "lora_bias"),
     "rank-pattern": ({"rank_pattern": {"q_proj": 8}}, None, "rank_pattern"),
     "other-target": ({"target_modules": ["q_proj", "lm_head"]}, None, "target_modules"),
+    "other-target-path": ({"target_modules": ["model.layers.0.self_attn.q_proj", "model.layers.0.mlp.act_fn"]}, None,
+                          "target_modules' names ['model.layers.0.mlp.act_fn']"),
     "not-lora": ({"peft_type": "IA3"}, None, "peft_type"),
     "dora-tensor": (None, _with({"base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector":
                                  torch.ones(64)}), "lora_magnitude_vector"),

@@ -107,8 +107,10 @@ def read_config(path: str, max_lora_rank: int) -> AdapterConfig:
         if cfg.get(field):
             raise bad(field, f"is {cfg[field]!r}: not supported")
     targets = cfg.get("target_modules")
-    if isinstance(targets, (list, tuple)):
-        unknown = sorted(set(targets) - set(TARGET_MODULES))
+    if isinstance(targets, (list, tuple)):  # a string is a regex over module paths: the tensors say what it matched
+        # names or full module paths (PEFT writes paths for "all-linear" on small models): the last part decides
+        unknown = sorted({t for t in targets if not isinstance(t, str) or t.rpartition(".")[2] not in TARGET_MODULES},
+                         key=str)
         if unknown:
             raise bad("target_modules", f"names {unknown}: only {', '.join(TARGET_MODULES)} can be adapted")
     return AdapterConfig(r, float(alpha), bool(cfg.get("use_rslora", False)))
