@@ -354,6 +354,9 @@ BAD_ADAPTERS = {
     "other-target": ({"target_modules": ["q_proj", "lm_head"]}, None, "target_modules"),
     "other-target-path": ({"target_modules": ["model.layers.0.self_attn.q_proj", "model.layers.0.mlp.act_fn"]}, None,
                           "target_modules' names ['model.layers.0.mlp.act_fn']"),
+    # what PEFT writes for a Qwen3-MoE's fused experts: parameters, and a rank for gate_up_proj
+    "experts-parameters": ({"target_parameters": ["down_proj", "gate_up_proj"], "rank_pattern": {".*gate_up_proj": 8}},
+                           None, "'target_parameters' .* mixture-of-experts layer's experts is not supported"),
     "not-lora": ({"peft_type": "IA3"}, None, "peft_type"),
     "dora-tensor": (None, _with({"base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector":
                                  torch.ones(64)}), "lora_magnitude_vector"),
@@ -361,6 +364,10 @@ BAD_ADAPTERS = {
                                       torch.zeros(64)}), "lora_B.bias"),
     "saved-module": (None, _with({"base_model.model.lm_head.modules_to_save.default.weight": torch.zeros(320, 64)}),
                      "lm_head.modules_to_save"),
+    "shared-expert": (None, _with({"base_model.model.model.layers.0.mlp.shared_expert.down_proj.lora_A.weight":
+                                   torch.zeros(4, 64)}),
+                      "shared_expert.down_proj.lora_A.weight' is a LoRA weight of a mixture-of-experts layer's shared "
+                      "expert: .* not supported"),
     "embedding": (None, _with({"base_model.model.model.embed_tokens.lora_embedding_A": torch.zeros(4, 320)}),
                   "lora_embedding_A"),
     "wrong-shape": (None, _with({Q_A: torch.zeros(4, 32)}), Q_A),

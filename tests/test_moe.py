@@ -401,7 +401,8 @@ def test_lora_on_attention_equals_peft_and_on_experts_is_refused(tmp_path):
             tokens.append(int(attention(input_ids=torch.tensor([PROMPTS[0] + tokens])).logits[0, -1].argmax()))
     assert list(out.outputs[0].token_ids) == tokens
     _, experts = adapter("experts", ["gate_proj"])
-    with pytest.raises(RequestError, match="mlp.shared_expert.gate_proj.lora_A.weight"):
+    with pytest.raises(RequestError, match="mlp.shared_expert.gate_proj.lora_A.weight' is a LoRA weight of a "
+                                           "mixture-of-experts layer's shared expert: .* not supported"):
         llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False, lora_request=experts)
     assert greedy_tokens(llm, [PROMPTS[1]], GREEDY)  # the engine serves on
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks

@@ -24,8 +24,9 @@ WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 TARGET_MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
                   "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 # adapter_config.json fields of PEFT variants that compute something else than plain LoRA
-_FORWARD_CHANGING = ("use_qalora", "alora_invocation_tokens", "trainable_token_indices", "target_parameters",
-                     "arrow_config")
+_FORWARD_CHANGING = ("use_qalora", "alora_invocation_tokens", "trainable_token_indices", "arrow_config")
+EXPERTS_NOT_SUPPORTED = ("LoRA on a mixture-of-experts layer's experts is not supported (adapters of the attention "
+                         "projections and of dense layers are)")
 _TENSOR = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(\w+)\.(\w+)\.lora_([AB])\.weight$")
 
 
@@ -98,6 +99,8 @@ def read_config(path: str, max_lora_rank: int) -> AdapterConfig:
         raise bad("lora_bias", "is set: LoRA B biases are not supported")
     if cfg.get("fan_in_fan_out"):
         raise bad("fan_in_fan_out", "is set: transposed (Conv1D) weights are not supported")
+    if cfg.get("target_parameters"):  # what PEFT writes for fused experts: before the rank_pattern it adds with them
+        raise bad("target_parameters", f"is {cfg['target_parameters']!r}: {EXPERTS_NOT_SUPPORTED}")
     for field in ("rank_pattern", "alpha_pattern"):
         if cfg.get(field):
             raise bad(field, f"is {cfg[field]!r}: per-module ranks and alphas are not supported")
@@ -132,6 +135,10 @@ def _unsupported_tensor(name: str) -> str:
         return "an embedding adapter, not supported"
     if ".lora_" not in name:
         return "a full weight (modules_to_save or a trained bias), not supported"
+    if ".mlp.shared_expert." in name or ".mlp.experts." in name:
+        part = "shared expert" if ".mlp.shared_expert." in name else "experts"
+        return (f"a LoRA weight of a mixture-of-experts layer's {part}: LoRA on a mixture-of-experts layer's {part} "
+                f"is not supported (adapters of the attention projections and of dense layers are)")
     return f"not a LoRA A/B weight of {'/'.join(TARGET_MODULES)} in a decoder layer"
 
 
