@@ -408,6 +408,75 @@ def test_lora_on_attention_equals_peft_and_on_experts_is_refused(tmp_path):
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
 
 
+def test_lora_on_a_sparse_layers_mlp_is_refused_before_any_request(tmp_path):
+    """An adapter of a sparse layer's gate/up/down (written by hand: that layer has no such modules for PEFT to
+    find) is refused where the engine checks adapters, naming the layer: add_lora, and the server's
+    /v1/load_lora_adapter with a 400, at the dense width or an expert's; the dense layer's MLP is adapted as in a
+    dense model."""
+    import httpx
+    from safetensors.torch import save_file
+
+    from qwenserve import LoRARequest
+    from qwenserve.config.engine_config import EngineConfig
+    from qwenserve.config.errors import RequestError
+    from qwenserve.engine.async_engine import AsyncLLMEngine
+    from qwenserve.engine.llm_engine import LLMEngine
+    from qwenserve.entrypoints.openai.api_server import build_app
+
+    from helpers import live_server
+    hf = tiny_moe("qwen3_moe", seed=4, mlp_only_layers=[1], norm_topk_prob=True)
+    base = save_hf_dir(hf, str(tmp_path / "base"))
+    g = torch.Generator().manual_seed(0)
+    written = {}
+
+    def adapter(name, layer, widths):
+        path = tmp_path / name
+        path.mkdir()
+        (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8,
+                                                              "target_modules": list(widths)}))
+        prefix = f"base_model.model.model.layers.{layer}.mlp"
+        tensors = {f"{prefix}.{module}.lora_{kind}.weight": 0.3 * torch.randn(shape, generator=g)
+                   for module, (n_in, n_out) in widths.items() for kind, shape in (("A", (4, n_in)), ("B", (n_out, 4)))}
+        save_file(tensors, str(path / "adapter_model.safetensors"))
+        written[name] = tensors
+        return str(path)
+    dense_widths = {"gate_proj": (64, 96), "up_proj": (64, 96), "down_proj": (96, 64)}
+    dense_layer = adapter("dense1", 1, dense_widths)
+    sparse = [(0, "gate_proj", adapter("sparse0", 0, {"gate_proj": (64, 96)})),  # the dense MLP's width
+              (2, "down_proj", adapter("sparse2", 2, {"down_proj": (32, 64)}))]  # an expert's
+    llm = LLM(base, dtype="float32", kv_cache_memory="8MiB", enable_lora=True, max_lora_rank=4)
+    llm.engine.add_lora(LoRARequest("dense1", 1, dense_layer))
+    out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False,
+                       lora_request=LoRARequest("dense1", 1, dense_layer))[0]
+    with torch.no_grad():  # the reference: the adapter merged into the dense MLP's weights (scaling alpha / r = 2)
+        for module in dense_widths:
+            name = f"base_model.model.model.layers.1.mlp.{module}.lora_"
+            getattr(hf.model.layers[1].mlp, module).weight += 2 * written["dense1"][name + "B.weight"] @ \
+                written["dense1"][name + "A.weight"]
+    adapted = list(out.outputs[0].token_ids)
+    assert_hf_greedy(hf, [PROMPTS[0]], [adapted])
+    assert adapted != greedy_tokens(llm, [PROMPTS[0]], GREEDY)[0]
+    for layer, module, path in sparse:
+        with pytest.raises(RequestError, match=f"adapts layer {layer}'s {module}, which is a mixture-of-experts "
+                                               "layer's: LoRA on a mixture-of-experts layer's experts is not"):
+            llm.engine.add_lora(LoRARequest(f"sparse{layer}", 2 + layer, path))
+    assert llm.engine.list_loras() == {1}
+    engine = AsyncLLMEngine(LLMEngine(EngineConfig.from_kwargs(model=base, dtype="float32", kv_cache_memory="8MiB",
+                                                               enable_lora=True, max_lora_rank=4)))
+    try:
+        with live_server(build_app(engine, ["moe"], allow_runtime_lora_updating=True)) as url:
+            for layer, module, path in sparse:
+                r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": f"sparse{layer}", "lora_path": path},
+                               timeout=30)
+                assert r.status_code == 400, r.text
+                assert f"adapts layer {layer}'s {module}, which is a mixture-of-experts" in r.json()["error"]["message"]
+            r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "dense1", "lora_path": dense_layer},
+                           timeout=30)
+            assert r.status_code == 200, r.text
+    finally:
+        engine.shutdown()
+
+
 def test_speculative_decoding_and_structured_output_on_a_moe_model(tmp_path):
     """A dense Qwen3 draft for a Qwen3-MoE target keeps the target's greedy tokens; a JSON schema holds."""
     import json

@@ -19,7 +19,7 @@ from qwenserve.config.model_config import ModelConfig
 from qwenserve.lora.batch import LoRABatch
 from qwenserve.lora.layers import LoRALinear
 from qwenserve.lora.ops import LayerAdapter
-from qwenserve.lora.peft import TARGET_MODULES, LoRAAdapterError, load_adapter
+from qwenserve.lora.peft import TARGET_MODULES, LoRAAdapterError, expert_layer_error, load_adapter
 from qwenserve.lora.request import LoRARequest
 from qwenserve.model.interface import CausalLM
 
@@ -77,10 +77,8 @@ class LoRAManager:
         adapter = load_adapter(request.lora_path, self.model_config, self.config.max_lora_rank)
         parts: dict[LoRALinear, dict] = {}
         for key, weights in adapter.weights.items():
-            if key in self.unadaptable:
-                raise LoRAAdapterError(f"LoRA adapter {request.lora_path!r} adapts layer {key[0]}'s {key[1]}, which "
-                                       "is a mixture-of-experts layer's: LoRA on experts is not supported (adapters "
-                                       "of the attention projections and of dense layers are)")
+            if key in self.unadaptable:  # load_adapter refuses these already, by the model class's expert_layers
+                raise expert_layer_error(request.lora_path, *key)
             if key not in self.targets:
                 continue  # a layer of another pipeline stage
             wrapper, shard_id = self.targets[key]

@@ -2,9 +2,11 @@
 (or .bin), read and checked against the base model before any request runs with them.
 
 What is served: `r`, `lora_alpha` and `use_rslora` (scaling alpha / r, or alpha / sqrt(r)) on q/k/v/o and
-gate/up/down projections of the decoder layers. Everything else PEFT can write (DoRA, LoRA biases, full copies of
-`modules_to_save`, per-module ranks, other target modules) is an error naming the field or tensor, never skipped:
-an adapter run without a part of it would answer wrongly and silently.
+gate/up/down projections of the decoder layers; in a mixture-of-experts model the attention projections of every
+layer and the MLP projections of its dense layers only (a sparse layer has experts and a router where a dense MLP
+would be). Everything else PEFT can write (DoRA, LoRA biases, full copies of `modules_to_save`, per-module ranks,
+other target modules, experts' parameters) is an error naming the field or tensor, never skipped: an adapter run
+without a part of it would answer wrongly and silently.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from qwenserve.config.model_config import ModelConfig
+from qwenserve.model.registry import MODEL_REGISTRY
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
@@ -51,6 +54,19 @@ class Adapter:
     """An adapter's weights, checked: (layer index, module name e.g. "q_proj") -> (A [r, in], B [out, r])."""
     config: AdapterConfig
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+
+def expert_layers(config: ModelConfig) -> frozenset[int]:
+    """The decoder layers whose MLP is a mixture of experts (no gate/up/down projection there to adapt), by the
+    model class's own rule (its optional classmethod `expert_layers`; none for a dense model)."""
+    model_class = MODEL_REGISTRY.model_class(MODEL_REGISTRY.resolve(config.architectures))
+    rule = getattr(model_class, "expert_layers", None)
+    return frozenset() if rule is None else frozenset(rule(config))
+
+
+def expert_layer_error(path: str, layer: int, module: str) -> LoRAAdapterError:
+    return LoRAAdapterError(f"LoRA adapter {path!r} adapts layer {layer}'s {module}, which is a mixture-of-experts "
+                            f"layer's: {EXPERTS_NOT_SUPPORTED}")
 
 
 def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -148,6 +164,7 @@ def check_shapes(path: str, shapes: dict[str, tuple[int, ...]], config: AdapterC
     name of B)."""
     file = os.path.basename(weights_file(path))
     expected = projection_shapes(model)
+    sparse = expert_layers(model)
     found: dict[tuple[int, str], dict[str, str]] = {}
     for name, shape in shapes.items():
         m = _TENSOR.match(name)
@@ -157,6 +174,8 @@ def check_shapes(path: str, shapes: dict[str, tuple[int, ...]], config: AdapterC
         if layer >= model.num_hidden_layers:
             raise LoRAAdapterError(f"LoRA adapter {path!r}: {file} tensor {name!r} is for layer {layer}; the base "
                                    f"model has {model.num_hidden_layers} layers")
+        if layer in sparse and TARGET_MODULES[module] == "mlp":
+            raise expert_layer_error(path, layer, module)
         in_features, out_features = expected[module]
         want = (config.rank, in_features) if kind == "A" else (out_features, config.rank)
         if tuple(shape) != want:

@@ -10,6 +10,10 @@ loader then copies each checkpoint tensor (HF names) into `checkpoint_target(nam
 `process_weights_after_loading(after_each)` once all are in. A tensor checkpoint_target drops (None) goes to the
 optional `check_dropped(name, tensor)`, which raises ValueError where dropping it would lose weights.
 
+A mixture-of-experts family has the optional classmethod `expert_layers(config) -> list[int]`: the decoder layers
+built with experts in place of a dense MLP, whose gate/up/down projections a LoRA adapter cannot adapt (lora/peft.py
+refuses such adapters before any request runs them).
+
 GGUF files (optional members, read by model/loader/checkpoint.py): `gguf_layer_names`, a dict of the family's own
 llama.cpp layer tensor names to HF module names ("ffn_gate_inp": "mlp.gate"; "{expert}" in the HF name marks a 3-D
 tensor of every expert of the layer, loaded one expert at a time), and the classmethod

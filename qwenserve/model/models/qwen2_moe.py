@@ -188,6 +188,13 @@ class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
             "qkv_bias": "blk.0.attn_q.bias" in tensor_names,
         }
 
+    @classmethod
+    def expert_layers(cls, config: ModelConfig) -> list[int]:
+        """The layers built sparse (experts and a router, no dense MLP): what LoRA checks adapters against."""
+        layer = cls.layer_class
+        moe = MoEConfig.from_config(config, layer.norm_topk_prob_default, layer.has_shared_expert)
+        return [i for i in range(config.num_hidden_layers) if moe.is_sparse(i)]
+
     def checkpoint_target(self, name: str) -> str | None:
         # transformers writes a shared expert of width 0 (and its gate) where shared_expert_intermediate_size is 0:
         # it adds nothing, and this model has none to load it into (check_dropped refuses one that is not empty)
