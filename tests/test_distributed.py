@@ -282,7 +282,7 @@ def test_server_answers_5xx_and_turns_unhealthy_when_a_worker_dies(parallel_tiny
 
     async def main():
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as c:
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost", timeout=60) as c:
             assert (await c.get("/health")).status_code == 200
             body = {"prompt": [5, 6, 7], "max_tokens": 250, "ignore_eos": True, "temperature": 0}
             pending = asyncio.gather(*[c.post("/v1/completions", json=body) for _ in range(8)])

@@ -214,7 +214,7 @@ def test_overload_gets_503_with_retry_after(tmp_path):
 
     async def main():
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as c:
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost", timeout=60) as c:
             with hold_engine_thread(engine):  # the engine is mid-step until all three requests are queued for it
                 body = {"prompt": "x", "max_tokens": 4, "ignore_eos": True, "temperature": 0}
                 posts = [asyncio.ensure_future(c.post("/v1/completions", json=body)) for _ in range(3)]
@@ -269,7 +269,7 @@ def test_generation_config_defaults_apply_when_a_request_is_silent(tmp_path, cap
     assert "'top_k': 1" in caplog.text and "'temperature': 0.9" in caplog.text
 
     async def main():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost") as c:
             base = {"prompt": "abc", "max_tokens": 12, "ignore_eos": True}
             silent = [(await c.post("/v1/completions", json=base | {"seed": s})).json()["choices"][0]["text"]
                       for s in (1, 2)]

@@ -189,12 +189,12 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read(url):
             return data
 
     start = time.time()
-    answer = exchange(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+    answer = exchange(f"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {KEY}\r\n"
                       f"Content-Type: application/json\r\nContent-Length: {10 ** 12}\r\n\r\n".encode(), [b'{"pro'])
     assert answer.startswith(b"HTTP/1.1 413") and b'"code":"request_too_large"' in answer
     assert time.time() - start < 5
     chunk = b" " * 16384
-    answer = exchange(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+    answer = exchange(f"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {KEY}\r\n"
                       "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n".encode(),
                       [b"%x\r\n%s\r\n" % (len(chunk), chunk)] * 5)  # 80 KiB, never terminated
     assert answer.startswith(b"HTTP/1.1 413") and b"request_too_large" in answer
@@ -276,7 +276,7 @@ def test_prompts_and_outputs_are_logged_only_with_log_requests(url, engine, capl
 
     async def with_log_requests():
         app = build_app(engine, ["tiny"], log_requests=True)
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost") as c:
             return (await c.post("/v1/completions", json=body)).json()["choices"][0]["text"]
     with caplog.at_level(logging.INFO, logger="qwenserve.requests"):
         assert asyncio.run(with_log_requests()) == text
@@ -298,7 +298,7 @@ def test_the_key_guards_every_route_but_health_and_the_ui(url, engine):
 
     async def metrics_public():
         app = build_app(engine, ["tiny"], api_key=KEY, metrics_public=True)
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost") as c:
             return (await c.get("/metrics")).status_code, (await c.get("/v1/models")).status_code
     assert asyncio.run(metrics_public()) == (200, 401)
 
@@ -313,7 +313,7 @@ def test_cors_is_off_unless_origins_are_allowed(url, engine):
 
     async def allowed():
         app = build_app(engine, ["tiny"], api_key=KEY, allowed_origins=["https://app.example"])
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost") as c:
             ok = await c.options("/v1/completions", headers=preflight)  # answered before the key is asked for
             other = await c.options("/v1/completions", headers=preflight | {"Origin": "https://evil.example"})
             get = await c.get("/v1/models", headers=AUTH | {"Origin": "https://app.example"})
@@ -327,6 +327,38 @@ def test_cors_is_off_unless_origins_are_allowed(url, engine):
     assert "x-request-id" in get.headers["access-control-expose-headers"].lower()
 
 
+def test_a_loopback_server_answers_only_loopback_host_names(url, engine):
+    """DNS rebinding: a page on another site points its name at 127.0.0.1 and calls the server from the user's
+    browser as its own origin. Listening on loopback (the default), the server answers only the loopback names;
+    elsewhere (0.0.0.0, a LAN address) any name, unless --allowed-hosts names some."""
+    port = url.rsplit(":", 1)[1]
+    for host in ("rebind.evil.example", f"rebind.evil.example:{port}", "localhost.evil.example", "127.0.0.1.nip.io",
+                 f"[::2]:{port}", "x"):
+        error = assert_openai_error(httpx.get(url + "/v1/models", headers=AUTH | {"Host": host}), 421)
+        assert error["code"] == "invalid_host" and repr(host) in error["message"], host
+        assert "localhost, 127.0.0.1, [::1]" in error["message"] and "--allowed-hosts" in error["message"]
+        assert httpx.get(url + "/", headers={"Host": host}).status_code == 421  # the web UI too
+    for host in ("localhost", f"localhost:{port}", "LOCALHOST.", f"127.0.0.1:{port}", "[::1]", f"[::1]:{port}",
+                 "127.0.0.2"):
+        assert httpx.get(url + "/v1/models", headers=AUTH | {"Host": host}).status_code == 200, host
+
+    async def statuses(app, hosts):
+        out = []
+        for host in hosts:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url=f"http://{host}") as c:
+                out.append((await c.get("/health")).status_code)
+        return out
+    hosts = ["rebind.evil.example", "api.example.com:8443", "localhost:1"]
+    for listen in ("localhost", "::1"):
+        assert asyncio.run(statuses(build_app(engine, ["tiny"], host=listen), hosts)) == [421, 421, 200]
+    for listen in ("0.0.0.0", "192.168.1.20", "::"):  # remote clients name it as they reach it
+        assert asyncio.run(statuses(build_app(engine, ["tiny"], host=listen), hosts)) == [200, 200, 200]
+    allowed = build_app(engine, ["tiny"], host="0.0.0.0", allowed_hosts=["API.example.com"])
+    assert asyncio.run(statuses(allowed, hosts)) == [421, 200, 200]
+    behind_proxy = build_app(engine, ["tiny"], allowed_hosts=["*"])  # on loopback behind a proxy that passes its Host
+    assert asyncio.run(statuses(behind_proxy, hosts)) == [200, 200, 200]
+
+
 def test_serve_flags_are_the_server_configs_fields():
     from qwenserve.config.server_config import SERVER_DEFAULTS, ServerConfig
     from qwenserve.entrypoints.cli.main import build_parser
@@ -334,12 +366,14 @@ def test_serve_flags_are_the_server_configs_fields():
     parse = build_parser().parse_args
     assert server_config_from_args(parse(["serve"])) == ServerConfig()
     assert (SERVER_DEFAULTS.max_n, SERVER_DEFAULTS.max_request_bytes) == (128, 4 << 20)
-    assert (SERVER_DEFAULTS.api_key, SERVER_DEFAULTS.allowed_origins) == (None, None)
+    assert (SERVER_DEFAULTS.api_key, SERVER_DEFAULTS.allowed_origins, SERVER_DEFAULTS.allowed_hosts) == (None,) * 3
     assert not SERVER_DEFAULTS.metrics_public and not SERVER_DEFAULTS.log_requests
     given = server_config_from_args(parse(["serve", "--max-request-bytes", "1MiB", "--max-n", "4", "--port", "0",
-                                           "--allowed-origins", "https://a.example", "https://b.example"]))
+                                           "--allowed-origins", "https://a.example", "https://b.example",
+                                           "--allowed-hosts", "api.example.com", "10.0.0.5"]))
     assert (given.max_request_bytes, given.max_n, given.port) == (1 << 20, 4, 0)
     assert given.allowed_origins == ["https://a.example", "https://b.example"]
+    assert given.allowed_hosts == ["api.example.com", "10.0.0.5"]
 
 
 @pytest.mark.parametrize("flags, pattern", [
@@ -359,8 +393,8 @@ def test_bad_server_settings_are_named(flags, pattern):
 @pytest.mark.multiproc
 def test_serve_command_tls_env_key_and_quiet_logs(model_dir, tmp_path):
     """`qwenserve serve` as users start it: HTTPS with a self-signed certificate, the key from
-    QWENSERVE_API_KEY, CORS for one origin; its log has our access lines, not uvicorn's, and a client that
-    leaves mid-stream is one INFO line."""
+    QWENSERVE_API_KEY, CORS for one origin, the Host check of a loopback address; its log has our access lines,
+    not uvicorn's, and a client that leaves mid-stream is one INFO line."""
     cert, key = self_signed_cert(tmp_path)
     log_path = tmp_path / "serve.log"
     env = os.environ | {"QWENSERVE_API_KEY": "env-key", "QWENSERVE_CPU_KERNELS": "0"}
@@ -376,6 +410,8 @@ def test_serve_command_tls_env_key_and_quiet_logs(model_dir, tmp_path):
                 base_url=base + "/v1", api_key="wrong", max_retries=0,
                 http_client=openai.DefaultHttpxClient(verify=str(cert))) as wrong_key:
             wrong_key.models.list()
+        # on the default loopback --host, another site's name (DNS rebinding) is refused
+        assert httpx.get(base + "/health", verify=str(cert), headers={"Host": "rebind.example"}).status_code == 421
         with pytest.raises(httpx.TransportError):  # plain HTTP is not served
             httpx.get(base.replace("https:", "http:") + "/health")
         preflight = httpx.options(base + "/v1/chat/completions", verify=str(cert), headers={

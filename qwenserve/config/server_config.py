@@ -63,6 +63,10 @@ class ServerConfig:
     allowed_origins: list[str] | None = setting(None, "browser origins allowed to call the API (CORS), e.g. "
                                                       "https://app.example.com; default: none (CORS off)",
                                                 nargs="+", metavar="ORIGIN")
+    allowed_hosts: list[str] | None = setting(None, "Host header names the server answers besides the loopback ones "
+                                                    "(localhost, 127.0.0.1, [::1]; any port), e.g. api.example.com, "
+                                                    "or * for any; default: only those on a loopback --host, any "
+                                                    "elsewhere", nargs="+", metavar="HOST")
     ssl_keyfile: str | None = setting(None, "serve HTTPS with this private key (PEM); needs --ssl-certfile")
     ssl_certfile: str | None = setting(None, "the certificate (PEM) for --ssl-keyfile")
     max_waiting_requests: int = setting(1024, "requests queued beyond the running batch before new ones get 503 "

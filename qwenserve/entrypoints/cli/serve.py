@@ -50,7 +50,8 @@ def run(args: argparse.Namespace) -> int:
                         allowed_origins=server.allowed_origins, metrics_public=server.metrics_public,
                         log_requests=server.log_requests, lora_modules=server.lora_modules,
                         allow_runtime_lora_updating=server.allow_runtime_lora_updating,
-                        reasoning_parser=server.reasoning_parser)
+                        reasoning_parser=server.reasoning_parser, host=server.host,
+                        allowed_hosts=server.allowed_hosts)
         scheme = "https" if server.ssl_certfile else "http"
         log = logging.getLogger("qwenserve")
         log.info("serving %s at %s://%s:%d/v1", ", ".join(names + [m.name for m in server.lora_modules]), scheme,

@@ -21,9 +21,11 @@ from qwenserve.entrypoints.openai.metrics import ServerMetrics
 from qwenserve.entrypoints.openai.reasoning import check_reasoning_parser
 from qwenserve.entrypoints.openai.middleware import (
     BodySizeLimitMiddleware,
+    HostCheckMiddleware,
     OpenAICORSMiddleware,
     RequestContextMiddleware,
     UISecurityHeadersMiddleware,
+    is_loopback,
 )
 from qwenserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -83,11 +85,14 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: st
               max_request_bytes: int = SERVER_DEFAULTS.max_request_bytes, allowed_origins: list[str] | None = None,
               metrics_public: bool = False, log_requests: bool = False,
               lora_modules: tuple[LoRAModulePath, ...] = (), allow_runtime_lora_updating: bool = False,
-              reasoning_parser: str | None = None) -> FastAPI:
+              reasoning_parser: str | None = None, host: str = SERVER_DEFAULTS.host,
+              allowed_hosts: list[str] | None = None) -> FastAPI:
     """The app (the settings are ServerConfig's). api_key guards every route but is_open_path's; CORS is off
-    unless allowed_origins names some; prompts and outputs are logged only with log_requests. lora_modules are
-    checked and registered here (a bad one raises ConfigError naming it); allow_runtime_lora_updating adds the
-    routes that load and unload adapters, with the engine's enable_lora."""
+    unless allowed_origins names some; prompts and outputs are logged only with log_requests. `host` is the
+    address the server listens on: on loopback, only requests whose Host header is a loopback name or one of
+    allowed_hosts are answered (HostCheckMiddleware); elsewhere any Host is, unless allowed_hosts names some.
+    lora_modules are checked and registered here (a bad one raises ConfigError naming it);
+    allow_runtime_lora_updating adds the routes that load and unload adapters, with the engine's enable_lora."""
     server_metrics = metrics or ServerMetrics(served_model_names[0], engine.max_model_len)
     if engine.generation_defaults:
         logger.info("sampling defaults from generation_config (used when a request does not set them): %s",
@@ -102,8 +107,8 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: st
     serving_tokenization = OpenAIServingTokenization(engine.tokenizer, serving_models, chat_prompts)
 
     app = FastAPI(title="qwenserve")
-    # the last added runs first: request id and access log, the UI's headers, then CORS (preflights need no key),
-    # the key, the size
+    # the last added runs first: request id and access log, the Host check, the UI's headers, then CORS (preflights
+    # need no key), the key, the size
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_bytes)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key, metrics_public=metrics_public)
@@ -111,6 +116,8 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: st
         app.add_middleware(OpenAICORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["X-Request-Id"])
     app.add_middleware(UISecurityHeadersMiddleware, is_ui_path=is_ui_path)
+    if is_loopback(host) or allowed_hosts:
+        app.add_middleware(HostCheckMiddleware, allowed_hosts=allowed_hosts or [])
     app.add_middleware(RequestContextMiddleware)
 
     @app.exception_handler(APIError)

@@ -1,8 +1,10 @@
-"""The server's ASGI middleware: the request id and the access log (with the last-resort 500), the limit on
-request-body size, CORS with OpenAI-shaped refusals, and the web UI's security headers. Plain ASGI rather than
-Starlette's BaseHTTPMiddleware, which would hide client disconnects from the routes and buffer streamed responses."""
+"""The server's ASGI middleware: the request id and the access log (with the last-resort 500), the Host header's
+check, the limit on request-body size, CORS with OpenAI-shaped refusals, and the web UI's security headers. Plain
+ASGI rather than Starlette's BaseHTTPMiddleware, which would hide client disconnects from the routes and buffer
+streamed responses."""
 from __future__ import annotations
 
+import ipaddress
 import logging
 import re
 import time
@@ -99,6 +101,56 @@ class RequestContextMiddleware:
                            extra=fields | {"disconnected": disconnected})
 
 
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a listening address, or a Host header's name without its port) is this machine's loopback:
+    localhost, 127.x.x.x or ::1 (bracketed or not)."""
+    host = host.strip("[]").rstrip(".").lower()
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def host_name(header: str) -> str:
+    """A Host header's name without its port: "example.com:8000" -> "example.com", "[::1]:8000" -> "[::1]"."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[:header.find("]") + 1] if "]" in header else header
+    return (header.rsplit(":", 1)[0] if header.count(":") == 1 else header).rstrip(".")
+
+
+class HostCheckMiddleware:
+    """Answers only requests whose Host header names this server: a loopback name (localhost, 127.0.0.1, [::1],
+    any port) or one of `allowed_hosts` ("*" for any); the others get 421. A page on another site can point its
+    own name at 127.0.0.1 (DNS rebinding) and then call a server on loopback from the user's browser as if it
+    were its own origin, past CORS; the browser still sends that site's name as the Host, which is refused here.
+    A request without a Host header (HTTP/1.0) is answered: browsers always send one."""
+
+    def __init__(self, app, allowed_hosts: list[str] = ()):
+        self.app = app
+        self.allowed = {host_name(h) for h in allowed_hosts}
+
+    def allows(self, header: str) -> bool:
+        name = host_name(header)
+        return "*" in self.allowed or is_loopback(name) or name in self.allowed
+
+    async def __call__(self, scope, receive, send):
+        header = _header(scope, b"host") if scope["type"] == "http" else None
+        if header is not None and not self.allows(header.decode("latin-1")):
+            names = ", ".join([*LOOPBACK_NAMES, *sorted(self.allowed)])
+            shown = header.decode("latin-1")[:100]
+            await error_response(421, f"the Host header {shown!r} is not a name of this server, which answers "
+                                      f"only {names} (any port); --allowed-hosts adds names",
+                                 "invalid_request_error", code="invalid_host")(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
 class RequestTooLarge(HTTPException):
     """An HTTPException, so that FastAPI's body reader passes it on as it is (it turns other errors raised while
     reading into a 400) and the app's HTTPException handler answers it."""
@@ -176,6 +228,9 @@ UI_SECURITY_HEADERS = [
     (b"content-security-policy", UI_CONTENT_SECURITY_POLICY.encode()),
     (b"x-content-type-options", b"nosniff"),  # a file is run or styled only as the type it is served as
     (b"referrer-policy", b"no-referrer"),     # a link followed from an answer does not tell where it came from
+    # nor does pointing at one: the browser resolves no link's host before it is followed (a host name can carry
+    # what an answer was steered to leak, and its DNS lookup would send that out)
+    (b"x-dns-prefetch-control", b"off"),
 ]
 
 
