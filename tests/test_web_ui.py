@@ -389,6 +389,10 @@ MARKDOWN_CASES = {  # {url}: the page's own origin (a relative link is written b
         f'<p><a href="{{url}}/v1/models" {LINK}>rel</a> <a href="{{url}}/#x" {LINK}>frag</a> '
         f'<a href="mailto:a@b.c" {LINK}>mailto:a@b.c</a> <a href="{{url}}/p.png" title="T" {LINK}>alt text</a> '
         "example.com</p>",
+    # a bare URL with a user name or password stays text (linkify-it would link only http://user)
+    "http://user:pass@e.x/ and https://good.example@evil.example/ but https://a.example: and http://a.example:80/x":
+        f"<p>http://user:pass@e.x/ and https://good.example@evil.example/ but <a href=\"https://a.example/\" {LINK}>"
+        f'https://a.example</a>: and <a href="http://a.example/x" {LINK}>http://a.example:80/x</a></p>',
     "| a | b |\n|:--|--:|\n| 1 | **2** |":
         '<div class="table-wrap"><table><thead><tr><th class="align-left">a</th><th class="align-right">b</th>'
         '</tr></thead><tbody><tr><td class="align-left">1</td><td class="align-right"><strong>2</strong></td></tr>'
@@ -541,8 +545,8 @@ def test_hostile_answers_render_inside_the_allowlist_and_in_time(servers, driver
 
 def test_ui_responses_carry_the_security_headers(servers):
     """The page, every file under /ui/ (the vendored libraries too) and a missing one, with and without an API
-    key: the CSP that lets the page run only the server's own files, nosniff, no referrer. The API's JSON does not
-    need them."""
+    key: the CSP that lets the page run only the server's own files, nosniff, no referrer, no DNS prefetch. The
+    API's JSON does not need them."""
     from qwenserve.entrypoints.openai.api_server import UI_PATHS
     assert "/ui/vendor/markdown-it.min.js" in UI_PATHS and "/ui/vendor/purify.min.js" in UI_PATHS
     for url, missing in zip(servers, (404, 401)):  # the keyed server opens only the files it has
@@ -555,6 +559,7 @@ def test_ui_responses_carry_the_security_headers(servers):
                            "form-action": "'self'"}, path
             assert resp.headers["x-content-type-options"] == "nosniff", path
             assert resp.headers["referrer-policy"] == "no-referrer", path
+            assert resp.headers["x-dns-prefetch-control"] == "off", path  # no lookup of a link's host
         assert "content-security-policy" not in httpx.get(url + "/health").headers
 
 
@@ -588,6 +593,210 @@ def test_code_block_copy_button_puts_the_code_on_the_clipboard(servers, driver, 
     buttons[1].click()
     wait(driver, lambda d: buttons[1].text == "Copied", "the second button saying Copied")
     assert driver.execute_async_script(read_clipboard) == codes[1]
+
+
+# ---------------------------------------------------------------- odd input from the network and the keyboard
+
+def sse(events, done: bool = True) -> str:
+    """Server-sent events: each event as JSON (a string as it is), then [DONE] when `done`."""
+    body = "".join(f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n" for e in events)
+    return body + ("data: [DONE]\n\n" if done else "")
+
+
+def delta(**fields) -> dict:
+    return {"choices": [{"index": 0, "delta": fields, "finish_reason": None}]}
+
+
+FINISHED = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+
+
+def stand_in(driver, body: str | None = None, models=None, held: bool = False) -> None:
+    """The server's responses stood in for by the page's fetch: /v1/chat/completions streams `body` (when `held`,
+    only once the page's window.release() is called), /v1/models answers `models` (JSON). The bodies the page
+    posts are kept in window.posted. The page's own model list is waited for first: its fetch, answered after the
+    stand-in's, would overwrite that one."""
+    wait(driver, lambda d: model_options(d), "the page's own model list")
+    driver.execute_script("""
+        window.posted = [];
+        const [body, models, held] = arguments;
+        window.fetch = async (path, options) => {
+          if (String(path).endsWith('/v1/models')) return new Response(JSON.stringify(models));
+          window.posted.push(options.body);
+          const stream = new ReadableStream({start(c) {
+            window.release = () => { c.enqueue(new TextEncoder().encode(body)); c.close(); };
+            if (!held) window.release();
+          }});
+          return new Response(stream, {headers: {'Content-Type': 'text/event-stream'}});
+        };""", body, models, held)
+
+
+def answered(driver, text: str = "hi") -> None:
+    """Sends `text` and waits for its answer to end (the Send button enabled again)."""
+    send_message(driver, text)
+    wait(driver, lambda d: by_css(d, ".msg.assistant") and not by_css(d, "#send")[0].get_attribute("disabled"),
+         "the answer's end")
+
+
+MARK = "\u0301"  # a combining acute accent: one token each in Qwen's tokenizer
+
+
+def test_combining_marks_are_capped_per_character(servers, driver, shots, capsys):
+    """One character followed by 20,000 combining marks takes the browser seconds to lay out (its layout of one
+    cluster is quadratic): in an answer, its reasoning and its tool calls, each character keeps at most 16."""
+    open_page(driver, servers[0])
+    cluster = "a" + MARK * 20000
+    pieces = [cluster[k:k + 500] for k in range(0, len(cluster), 500)]
+    events = ([delta(reasoning_content=p) for p in pieces]
+              + [delta(tool_calls=[{"index": 0, "function": {"name": "f", "arguments": p}}]) for p in pieces]
+              + [delta(content=p) for p in pieces] + [delta(content=" b" + MARK * 3), FINISHED])
+    stand_in(driver, sse(events))
+    start = time.time()
+    answered(driver)
+    seconds = time.time() - start
+    marks = driver.execute_script("""
+        const marks = (text) => text.split(arguments[0]).length - 1;
+        const count = (sel) => marks(document.querySelector('.msg.assistant ' + sel).textContent);
+        return [count('.content'), count('.reasoning .side-text'), count('.tool-calls .side-text'),
+                marks(renderMarkdown('x' + arguments[0].repeat(100)))];""", MARK)
+    screenshot(driver, shots, "combining_marks", capsys)
+    assert marks == [16 + 3, 16, 16, 16], marks
+    assert seconds < WAIT_S
+
+
+def test_stacked_marks_do_not_paint_over_other_messages(servers, driver, shots, capsys):
+    """Marks stacked on an answer's characters reach far above its line: its bubble clips them, so an answer
+    cannot draw over the message above it (the user's, or another answer made to look like one)."""
+    open_page(driver, servers[0])
+    zalgo = "".join(c + "\u030d\u030e\u0304\u0305" * 4 for c in "SPOOF " * 30)
+    stand_in(driver, sse([delta(content=zalgo), FINISHED]), held=True)
+    send_message(driver, "a question long enough to span the width of the chat, as wide as the answer below it " * 2)
+    wait(driver, lambda d: by_css(d, ".msg.assistant"), "the answer's bubble")
+    question = by_css(driver, ".msg.user")[0]
+    before = question.screenshot_as_png
+    driver.execute_script("window.release()")
+    wait(driver, lambda d: not by_css(d, "#send")[0].get_attribute("disabled"), "the answer's end")
+    assert driver.execute_script("return document.getElementById('messages').scrollTop") == 0  # nothing moved
+    after = question.screenshot_as_png
+    screenshot(driver, shots, "stacked_marks", capsys)
+    assert after == before, "the answer's marks were drawn over the question"
+
+
+def test_frame_throttle_counts_the_layout_a_draw_causes(servers, driver):
+    """A draw that is quick itself but makes the page's layout slow (a long cluster of combining marks) is
+    throttled by its whole cost: while values stream in for 3 s, drawing and laying out take a fraction of the
+    time, not all of it."""
+    open_page(driver, servers[0])
+    driver.set_script_timeout(60)
+    busy, elapsed, draws = driver.execute_async_script("""
+        const done = arguments[0];
+        const bubble = document.createElement('div');
+        bubble.className = 'msg assistant';
+        const box = document.createElement('div');
+        bubble.append(box);
+        document.getElementById('messages').append(bubble);
+        let busy = 0, draws = 0;
+        const scroll = bubble.scrollIntoView;
+        bubble.scrollIntoView = (options) => {  // the layout is forced here
+          const t = performance.now();
+          scroll.call(bubble, options);
+          busy += performance.now() - t;
+        };
+        const view = frameThrottled(bubble, (n) => {
+          const t = performance.now();
+          box.textContent = 'a' + '\\u0301'.repeat(n);
+          draws++;
+          busy += performance.now() - t;
+        });
+        const start = performance.now();
+        let n = 8000;
+        const timer = setInterval(() => {
+          view.update(n++);
+          if (performance.now() - start > 3000) {
+            clearInterval(timer);
+            view.cancel();
+            done([busy, performance.now() - start, draws]);
+          }
+        }, 2);""")
+    assert draws >= 2 and busy / elapsed < 0.5, (busy, elapsed, draws)
+
+
+def test_enter_that_ends_a_composition_does_not_send(servers, driver):
+    """Chinese, Japanese or Korean input: the Enter that confirms the input method's composition (isComposing,
+    keyCode 229) ends it; only a later Enter sends."""
+    open_page(driver, servers[0])
+    stand_in(driver, sse([delta(content="ok"), FINISHED]))
+    driver.execute_script("""
+        const prompt = document.getElementById('prompt');
+        prompt.value = 'ni hao';
+        for (const init of [{isComposing: true, keyCode: 229}, {isComposing: false, keyCode: 229},
+                            {isComposing: true, keyCode: 13}]) {
+          prompt.dispatchEvent(new KeyboardEvent('keydown', {key: 'Enter', bubbles: true, cancelable: true, ...init}));
+        }""")
+    time.sleep(0.5)
+    assert driver.execute_script("return window.posted.length") == 0 and not by_css(driver, ".msg")
+    assert by_css(driver, "#prompt")[0].get_attribute("value") == "ni hao"
+    answered(driver, "")  # a plain Enter
+    assert [json.loads(b)["messages"][-1]["content"] for b in driver.execute_script("return window.posted")] == [
+        "ni hao"]
+
+
+def test_a_stream_that_ends_without_done_is_marked_cut_short(servers, driver, shots, capsys):
+    """A body that just ends (a proxy's timeout, a restarted server) before [DONE] is not shown as a whole
+    answer."""
+    open_page(driver, servers[0])
+    stand_in(driver, sse([delta(content="The answer is "), delta(content="that you should never")], done=False))
+    answered(driver)
+    bubble = by_css(driver, ".msg.assistant")[0]
+    screenshot(driver, shots, "stream_cut_short", capsys)
+    assert "error" in bubble.get_attribute("class").split()
+    assert by_css(driver, ".msg.assistant .content")[0].text == (
+        "The answer is that you should never\n[connection closed before the answer finished]")
+    by_css(driver, "#clear")[0].click()
+    stand_in(driver, sse([delta(content="whole"), FINISHED]))  # with [DONE]: as it was
+    answered(driver)
+    assert by_css(driver, ".msg.assistant")[0].get_attribute("class") == "msg assistant"
+    assert by_css(driver, ".msg.assistant .content")[0].text == "whole"
+
+
+def test_malformed_responses_are_named_not_thrown(servers, driver, shots, capsys):
+    """Valid JSON of the wrong shape from the server (a null tool call, a null event, an error that is a string,
+    a model list without its data array or with null entries) neither breaks the answer nor throws: the rest is
+    shown, and the notice or the answer says what was wrong."""
+    open_page(driver, servers[0])
+    notice = lambda d: by_css(d, "#notice")[0].text if d.find_element("id", "notice").is_displayed() else ""
+    stand_in(driver, sse([delta(tool_calls=[None]), delta(content="after a null call")]))
+    answered(driver)
+    assert by_css(driver, ".msg.assistant .content p")[0].text == "after a null call"
+    assert "a tool call that is not an object" in notice(driver), notice(driver)
+    stand_in(driver, sse(["null", delta(content="after a null event")]))
+    answered(driver)
+    assert by_css(driver, ".msg.assistant .content p")[-1].text == "after a null event"
+    assert "an event that is not an object; it is left out: null" in notice(driver), notice(driver)
+    stand_in(driver, sse([delta(content="partial"), {"error": "the engine <b>failed</b>"}]))
+    answered(driver)
+    assert by_css(driver, ".msg.assistant.error .content p")[-1].text == "[error: the engine <b>failed</b>]"
+    screenshot(driver, shots, "malformed_stream", capsys)
+
+    for body, message in [({}, "no list of models"), ({"data": None}, "no list of models"),
+                          ({"data": [None, {"id": "tiny"}, {"id": {"x": 1}}]}, "2 of the server's 3 entries")]:
+        stand_in(driver, None, body)
+        driver.execute_script("loadModels()")
+        wait(driver, lambda d: message in notice(d), f"the notice saying {message}")
+    assert model_options(driver) == ["tiny"]
+    screenshot(driver, shots, "malformed_models", capsys)  # no uncaught error or rejection
+
+
+def test_a_long_notice_keeps_the_page_width(servers, driver, shots, capsys):
+    """An error message with no break in it (a model id, a URL) wraps inside the notice, which scrolls past 30%
+    of the window's height: the page never gets wider than the window."""
+    open_page(driver, servers[0])
+    driver.execute_script("showNotice('GET /v1/models: ' + 'x'.repeat(20000))")
+    width, window_width, height, window_height = driver.execute_script("""
+        const notice = document.getElementById('notice');
+        return [document.documentElement.scrollWidth, window.innerWidth, notice.getBoundingClientRect().height,
+                window.innerHeight];""")
+    screenshot(driver, shots, "long_notice", capsys)
+    assert width <= window_width and height <= 0.3 * window_height + 1, (width, window_width, height)
 
 
 # ---------------------------------------------------------------- images

@@ -36,7 +36,7 @@ async function errorText(resp) {
 }
 
 function showNotice(text) {
-  $("notice").textContent = text;
+  $("notice").textContent = capMarks(text);
   $("notice").hidden = !text;
 }
 
@@ -76,13 +76,26 @@ async function loadModels() {
     if (resp.status !== 401) showNotice(`GET /v1/models: ${await errorText(resp)}`);
     return;
   }
-  showNotice("");
+  let listed;
+  try {
+    listed = (await resp.json())?.data;
+  } catch {
+    listed = null;  // not JSON
+  }
+  if (!Array.isArray(listed)) {
+    showNotice("GET /v1/models: the server's answer has no list of models (no data array)");
+    return;
+  }
+  const usable = listed.filter((m) => typeof m?.id === "string");
+  showNotice(usable.length < listed.length
+    ? `GET /v1/models: ${listed.length - usable.length} of the server's ${listed.length} entries have no model id `
+      + "and are left out" : "");
   const select = $("model");
   const previous = select.value;
   models.clear();
-  for (const m of (await resp.json()).data) models.set(m.id, m);
+  for (const m of usable) models.set(m.id, m);
   const ids = [...models.keys()];
-  select.replaceChildren(...ids.map((id) => new Option(id, id)));
+  select.replaceChildren(...ids.map((id) => new Option(capMarks(id), id)));
   if (ids.includes(previous)) select.value = previous;
   showAttach();
 }
@@ -121,8 +134,8 @@ function addMessage(role, text, images = []) {
 }
 
 // Draws a streaming value (the answer, its reasoning, its tool calls) at most once per animation frame, and less
-// often when one draw takes long (it then gets at most a fifth of the time), so a long answer costs no more than
-// that however fast tokens come.
+// often when one draw takes long (it then gets at most a fifth of the time, the layout it causes included), so a
+// long answer costs no more than that however fast tokens come.
 function frameThrottled(bubble, draw) {
   let value, updated = false, frame = 0, next = 0;
   const run = (now) => {
@@ -133,8 +146,8 @@ function frameThrottled(bubble, draw) {
     frame = 0;
     const start = performance.now();
     draw(value);
+    bubble.scrollIntoView({ block: "end" });  // lays the page out: that is part of the draw's cost
     next = start + 5 * (performance.now() - start);
-    bubble.scrollIntoView({ block: "end" });
   };
   return {
     update(v) { value = v; updated = true; frame ||= requestAnimationFrame(run); },
@@ -165,9 +178,10 @@ function numberField(id) {
   return value === "" ? undefined : Number(value);  // empty: the server's default
 }
 
-// Server-sent events from a fetch() body: yields each `data:` payload parsed as JSON, until [DONE]. Each character
-// is scanned once and each event sliced out once, however the body is split into reads.
-async function* sseEvents(body) {
+// Server-sent events from a fetch() body: yields each `data:` payload parsed as JSON, until [DONE], and sets
+// stream.done when [DONE] came (a body that just ends was cut short: a proxy's timeout, a restarted server). Each
+// character is scanned once and each event sliced out once, however the body is split into reads.
+async function* sseEvents(body, stream = {}) {
   const reader = body.pipeThrough(new TextDecoderStream()).getReader();
   let buffer = "";
   for (;;) {
@@ -181,11 +195,34 @@ async function* sseEvents(body) {
       start = end + 2;
       const data = block.split("\n").filter((l) => l.startsWith("data:"))
         .map((l) => l.slice(5).replace(/^ /, "")).join("\n");
-      if (data === "[DONE]") return;
-      if (data) yield JSON.parse(data);
+      if (data === "[DONE]") {
+        stream.done = true;
+        return;
+      }
+      if (data) yield parseEvent(data);
     }
     buffer = buffer.slice(start);
   }
+}
+
+function parseEvent(data) {
+  try {
+    return JSON.parse(data);
+  } catch {
+    throw new Error(`the server sent an event that is not JSON: ${data.slice(0, 200)}`);
+  }
+}
+
+// An error event's message: OpenAI's shape is {"error": {"message": ...}}; anything else is shown as it came.
+function errorMessage(error) {
+  if (typeof error?.message === "string" && error.message) return error.message;
+  const text = typeof error === "string" ? error : JSON.stringify(error);
+  return text ? text.slice(0, 2000) : "the server sent an error without a message";
+}
+
+// Shows that the server sent something the page skipped (it goes on with the rest of the answer).
+function malformed(what, value) {
+  showNotice(`The server sent ${what}; it is left out: ${String(JSON.stringify(value)).slice(0, 200)}`);
 }
 
 // images: data: URLs, sent after the text as OpenAI content parts.
@@ -197,11 +234,13 @@ async function send(text, images = []) {
   const bubble = addMessage("assistant", "");
   const content = bubble.querySelector(".content");
   const renderer = frameThrottled(bubble, (t) => renderMarkdownInto(content, t));
-  const reasoningView = frameThrottled(bubble, (t) => { sideText(bubble, "reasoning", "Reasoning").textContent = t; });
+  const reasoningView = frameThrottled(bubble, (t) => {
+    sideText(bubble, "reasoning", "Reasoning").textContent = capMarks(t);
+  });
   const calls = new Map();  // index -> {name, arguments}, as their pieces stream in
   const callsView = frameThrottled(bubble, () => {
     sideText(bubble, "tool-calls", "Tool calls").textContent =
-      [...calls.values()].map((c) => `${c.name}(${c.arguments})`).join("\n");
+      capMarks([...calls.values()].map((c) => `${c.name}(${c.arguments})`).join("\n"));
   });
   const system = $("system").value.trim();
   const request = {
@@ -220,21 +259,30 @@ async function send(text, images = []) {
   setBusy(true);
   const start = performance.now();
   let first = null, chunks = 0, usage = null, finish = null, answer = "", thought = "", stopped = false;
+  const stream = { done: false };
   try {
     const resp = await api("/v1/chat/completions", {
       method: "POST", headers: { "Content-Type": "application/json" },
       body: JSON.stringify(request), signal: controller.signal,
     });
     if (!resp.ok) throw new Error(await errorText(resp));
-    for await (const event of sseEvents(resp.body)) {
-      if (event.error) throw new Error(event.error.message);  // an engine failure after the headers went out
-      if (event.usage) usage = event.usage;
+    for await (const event of sseEvents(resp.body, stream)) {
+      if (event === null || typeof event !== "object") {
+        malformed("an event that is not an object", event);
+        continue;
+      }
+      if (event.error) throw new Error(errorMessage(event.error));  // an engine failure after the headers went out
+      if (Number.isInteger(event.usage?.completion_tokens)) usage = event.usage;
       const choice = event.choices?.[0];
       if (choice?.finish_reason) finish = choice.finish_reason;
       const delta = choice?.delta || {};
       const reasoning = delta.reasoning_content ?? delta.reasoning;
       if (typeof reasoning === "string" && reasoning) reasoningView.update(thought += reasoning);
       for (const call of Array.isArray(delta.tool_calls) ? delta.tool_calls : []) {
+        if (call === null || typeof call !== "object") {
+          malformed("a tool call that is not an object", call);
+          continue;
+        }
         if (!calls.has(call.index)) calls.set(call.index, { name: "", arguments: "" });
         const c = calls.get(call.index);
         if (typeof call.function?.name === "string") c.name += call.function.name;
@@ -250,6 +298,11 @@ async function send(text, images = []) {
       }
     }
     renderer.finish(answer);
+    if (!stream.done) {  // it looks complete, but the server never said it was
+      bubble.classList.add("error");
+      content.append(Object.assign(document.createElement("p"),
+        { textContent: "[connection closed before the answer finished]" }));
+    }
   } catch (e) {
     renderer.finish(answer);
     if (e.name === "AbortError") {
@@ -257,7 +310,7 @@ async function send(text, images = []) {
     } else {
       bubble.classList.add("error");
       const line = document.createElement("p");
-      line.textContent = answer ? `[error: ${e.message}]` : `Error: ${e.message}`;
+      line.textContent = capMarks(answer ? `[error: ${e.message}]` : `Error: ${e.message}`);
       content.append(line);
     }
   } finally {
@@ -300,8 +353,10 @@ $("chat-form").addEventListener("submit", (e) => {
   send(text, attached.splice(0));
   showAttachments();
 });
+// Enter sends, Shift+Enter is a new line; an Enter that confirms an input method's composition (Chinese, Japanese,
+// Korean) only ends it.
 $("prompt").addEventListener("keydown", (e) => {
-  if (e.key === "Enter" && !e.shiftKey) {
+  if (e.key === "Enter" && !e.shiftKey && !e.isComposing && e.keyCode !== 229) {
     e.preventDefault();
     $("chat-form").requestSubmit();
   }

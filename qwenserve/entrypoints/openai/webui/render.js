@@ -20,6 +20,15 @@ const BLOCK_DEPTH = 16;
 const INLINE_DEPTH = 16;
 const MAX_NESTING = 20;
 const MAX_NODES = 12000;
+// Combining marks kept on one character: the browser lays out one long cluster in quadratic time (20,000 marks,
+// one token each, take seconds), and no script stacks more than a few.
+const MAX_MARKS = 16;
+const EXTRA_MARKS = new RegExp(`(\\p{M}{${MAX_MARKS}})\\p{M}+`, "gu");
+
+// `text` with at most MAX_MARKS combining marks on each character (for everything the page shows of an answer).
+function capMarks(text) {
+  return text.replace(EXTRA_MARKS, "$1");
+}
 
 // The URL `href` names as the browser parses it (absolute), or null when it is not http(s), mailto or relative.
 function safeHref(href) {
@@ -36,6 +45,22 @@ function safeHref(href) {
 
 const md = window.markdownit({ html: false, linkify: true, breaks: true, typographer: false, maxNesting: MAX_NESTING });
 md.linkify.set({ fuzzyLink: false, fuzzyEmail: false, fuzzyIP: false });  // only URLs that say their scheme
+
+// A bare URL with a user name or password (http://user:pass@host/) stays text: linkify-it links only its start
+// (http://user), and such a URL is a way to dress one host up as another.
+md.core.ruler.after("linkify", "linkify_userinfo", (state) => {
+  for (const token of state.tokens) {
+    const children = (token.type === "inline" && token.children) || [];
+    for (let i = 0; i + 3 < children.length; i++) {
+      const [open, , close, after] = children.slice(i, i + 4);
+      if (open.type === "link_open" && open.markup === "linkify" && close.type === "link_close"
+          && after.type === "text" && /^[:@]\S/.test(after.content)) {
+        asText(open);
+        asText(close);
+      }
+    }
+  }
+});
 
 // A container at BLOCK_DEPTH takes the rest of its lines as one paragraph of text.
 md.block.ruler.before("table", "depth_cap", (state, startLine, endLine, silent) => {
@@ -109,7 +134,8 @@ function nodeCost(token) {
 // Past MAX_NODES nodes the rest of the answer is one block of plain text, so however the answer is shaped the
 // sanitizer and the page get at most about that many nodes from it.
 function markdownBlocks(text) {
-  text = text.replace(/\r\n?/g, "\n");  // markdown-it's line breaks, so that its line numbers index these lines
+  // markdown-it's line breaks, so that its line numbers index these lines
+  text = capMarks(text.replace(/\r\n?/g, "\n"));
   const env = {};
   const tokens = md.parse(text, env);
   const blocks = [];
