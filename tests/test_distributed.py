@@ -345,3 +345,21 @@ def test_shm_all_reduce_sums_in_rank_order_on_every_rank():
             assert torch.equal(torch.from_numpy(got[rank][i + 1]), expected_strided.float())
         i += 2
     assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"qwenserve-test-{port}")]
+
+
+def test_rendezvous_ports_come_from_below_the_ephemeral_range(monkeypatch, tmp_path):
+    """The rendezvous port is one outgoing connections are never handed (they draw from the ephemeral range), so
+    it stays free until rank 0 listens on it; a range with no room below falls back to the kernel's choice."""
+    import socket
+
+    from qwenserve.distributed import groups
+    ranges = tmp_path / "ip_local_port_range"
+    ranges.write_text("32768\t60999\n")
+    monkeypatch.setattr(groups, "_EPHEMERAL_RANGE", str(ranges))
+    for _ in range(20):
+        port = free_port()
+        assert 20000 <= port < 32768
+        with socket.socket() as s:
+            s.bind(("0.0.0.0", port))  # free: binds
+    ranges.write_text("1024\t65535\n")
+    assert 0 < free_port() < 65536

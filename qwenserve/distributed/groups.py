@@ -2,6 +2,7 @@
 shared-memory all-reduce of ranks on one host, and a free port for the rendezvous."""
 from __future__ import annotations
 
+import random
 import socket
 
 import torch.distributed as dist
@@ -11,8 +12,31 @@ from qwenserve.distributed.shm_all_reduce import ShmAllReduce, shm_all_reduce_su
 from qwenserve.distributed.tensor_parallel import TensorParallel
 
 
+# ports taken below the kernel's ephemeral range, which outgoing connections draw from: a port found free there is
+# not handed to another process's connection before the rendezvous listens on it (Ray's processes open many)
+_RENDEZVOUS_PORTS = range(20000, 32768)
+_EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+def _ephemeral_start() -> int:
+    try:
+        with open(_EPHEMERAL_RANGE) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port() -> int:
-    """A TCP port free on this host now, for a process group's rendezvous."""
+    """A TCP port free on this host now, for a process group's rendezvous: one below the ephemeral range where
+    one is free, else any the kernel hands out."""
+    below = range(_RENDEZVOUS_PORTS.start, min(_RENDEZVOUS_PORTS.stop, _ephemeral_start()))
+    for port in random.sample(below, min(20, len(below))):
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
