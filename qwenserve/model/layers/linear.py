@@ -123,10 +123,7 @@ class UnquantizedLinearMethod(LinearMethod):
         if layer.packed_weight is not None:
             kept = getattr(layer, "kept_weight_ops", None)
             if kept is not None and x.dtype == torch.bfloat16 and x.numel() <= KEPT_WEIGHT_DENSE_MM_ROWS * x.shape[-1]:
-                rows = x.reshape(-1, x.shape[-1]).contiguous()
-                out = rows.new_empty(rows.shape[0], layer.weight.shape[0])
-                kept.dense_mm(out, rows, layer.weight, bias)
-                return out.reshape(*x.shape[:-1], layer.weight.shape[0])
+                return widened_linear(kept, layer.weight, x, bias)  # few rows: its dense_mm route
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), layer.packed_weight, bias, "none", [], "")
         ops = getattr(layer, "widening_ops", None)
         if ops is not None:
