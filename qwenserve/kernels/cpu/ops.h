@@ -25,8 +25,12 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& x);
 void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
                             const std::optional<at::Tensor>& k_scales, const std::optional<at::Tensor>& v_scales);
-// prefill_attention.cpp (bf16, causal, no cached context; supported: AVX512-BF16 and head_dim 64 or 128)
+// prefill_attention.cpp (bf16, causal; supported: AVX512-BF16 and head_dim 64 or 128): a prompt without cached
+// context from its own k / v, or a chunk after cached context from the paged cache
 void prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale);
+void prefill_attention_paged(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                             const at::Tensor& v_cache, const at::Tensor& block_table, int64_t context_len,
+                             double scale);
 bool prefill_attention_supported(int64_t head_dim);
 // sampling.cpp
 at::Tensor argmax_rows(const at::Tensor& logits);

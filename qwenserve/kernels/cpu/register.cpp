@@ -28,6 +28,8 @@ QS_TORCH_LIBRARY(QS_OPS_NAMESPACE, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor context_lens, float scale, Tensor? k_scales=None, Tensor? v_scales=None) -> ()");
   m.def("prefill_attention(Tensor(a!) out, Tensor q, Tensor k, Tensor v, float scale) -> ()");
+  m.def("prefill_attention_paged(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
+        "int context_len, float scale) -> ()");
   m.def("prefill_attention_supported(int head_dim) -> bool", &qwenserve::cpu::prefill_attention_supported);
   m.def("ggml_dequantize(Tensor raw, int ggml_type, int cols, ScalarType dtype, int group=1) -> Tensor");
   m.def("ggml_mm(Tensor(a!) out, Tensor x, Tensor raw, int ggml_type, int group=1, Tensor? bias=None, "
@@ -66,6 +68,7 @@ QS_TORCH_LIBRARY_IMPL(QS_OPS_NAMESPACE, CPU, m) {
   m.impl("argmax_rows", &qwenserve::cpu::argmax_rows);
   m.impl("lora_add", &qwenserve::cpu::lora_add);
   m.impl("prefill_attention", &qwenserve::cpu::prefill_attention);
+  m.impl("prefill_attention_paged", &qwenserve::cpu::prefill_attention_paged);
   m.impl("ggml_dequantize", &qwenserve::cpu::ggml_dequantize);
   m.impl("ggml_mm", &qwenserve::cpu::ggml_mm);
   m.impl("ggml_moe", &qwenserve::cpu::ggml_moe);

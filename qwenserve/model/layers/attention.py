@@ -209,7 +209,8 @@ class Attention(nn.Module):
         self.kv_scales = None
         self._ops = cpu_ops_for(torch.empty(0).device)  # the device the model is being built on
         self._decode = self._decode_kernel if self._ops is not None else self._decode_sdpa
-        # a prompt without cached context in a bf16 model (the default dtype while it is built): our flash kernel
+        # a prompt chunk in a bf16 model (the default dtype while it is built): our flash kernel, from the chunk's
+        # own keys or, after cached context, from a bf16 cache
         self._bf16_prefill = (self._ops is not None and torch.get_default_dtype() == torch.bfloat16
                               and self._ops.prefill_attention_supported(head_dim))
 
@@ -261,10 +262,16 @@ class Attention(nn.Module):
     def _prefill(self, q, k, v, cache: PagedKVCache, span: PrefillSpan, out: torch.Tensor) -> None:
         """The span's attention into out [n, heads, head_dim] (its rows of the layer's output)."""
         n = span.end - span.start
-        if span.block_table is None and n > 1 and self._bf16_prefill:
-            self._ops.prefill_attention(out, q[span.start:span.end], k[span.start:span.end], v[span.start:span.end],
-                                        self.scale)
-            return
+        if self._bf16_prefill:
+            i = self.layer_idx
+            if span.block_table is None:
+                self._ops.prefill_attention(out, q[span.start:span.end], k[span.start:span.end],
+                                            v[span.start:span.end], self.scale)
+                return
+            if cache.k[i].dtype == torch.bfloat16:  # not a cache of int8 / fp8 codes
+                self._ops.prefill_attention_paged(out, q[span.start:span.end], cache.k[i], cache.v[i],
+                                                  span.block_table.reshape(-1), span.context_len, self.scale)
+                return
         query = q[span.start:span.end].transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
         if span.block_table is None:
             keys = k[span.start:span.end].transpose(0, 1).unsqueeze(0)
