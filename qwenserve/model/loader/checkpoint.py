@@ -49,6 +49,9 @@ class Checkpoint:
     native_quantization = "none"
     quantization_config: dict = field(default_factory=dict)  # config.json's, for awq and gptq
 
+    # where the config's num_hidden_layers comes from, for the loader's errors
+    layer_count_key = "num_hidden_layers in config.json"
+
     @property
     def weight_files(self) -> tuple[str, ...]:
         raise NotImplementedError
@@ -211,38 +214,87 @@ def config_from_gguf(md: dict, tensor_names: frozenset[str] = frozenset()) -> Mo
             raise ConfigError(f"GGUF metadata lacks {arch}.{key}")
         return md[f"{arch}.{key}"]
 
+    def number(key: str, default: float | None = None) -> float:
+        """A float key's value (metadata is typed: a string or a flag is not a number); without a default the key
+        must be there."""
+        value = need(key) if default is None else md.get(f"{arch}.{key}", default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"GGUF metadata {arch}.{key} must be a number, got {value!r}")
+        return float(value)
+
     heads = need("attention.head_count")
+    head_dim = md.get(f"{arch}.attention.key_length")  # absent: embedding_length / head_count
+    _check_head_widths(md, arch, head_dim)
     scaling = None
     kind = md.get(f"{arch}.rope.scaling.type")
     if kind and kind != "none":
-        scaling = {"rope_type": kind, "factor": md.get(f"{arch}.rope.scaling.factor")}
-        optional = {"original_context_length": "original_max_position_embeddings",
-                    "yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow"}
+        scaling = {"rope_type": kind, "factor": number("rope.scaling.factor")}
+        if f"{arch}.rope.scaling.original_context_length" in md:
+            scaling["original_max_position_embeddings"] = md[f"{arch}.rope.scaling.original_context_length"]
+        # yarn_attn_factor is HF's attention_factor as convert_hf_to_gguf writes it: the whole cos/sin magnitude,
+        # in place of 0.1 ln(factor) + 1 (llama.cpp's Qwen graphs do not read it; HF, whose model the file is, does)
+        optional = {"yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow",
+                    "yarn_attn_factor": "attention_factor"}
         for gguf_key, hf_key in optional.items():
             if f"{arch}.rope.scaling.{gguf_key}" in md:
-                scaling[hf_key] = md[f"{arch}.rope.scaling.{gguf_key}"]
+                scaling[hf_key] = number(f"rope.scaling.{gguf_key}")
     tokens = md.get("tokenizer.ggml.tokens")
     family_fields = getattr(MODEL_REGISTRY.model_class(architecture), "gguf_config_fields", None)
-    return ModelConfig(
-        vocab_size=len(tokens) if tokens else need("vocab_size"),
-        hidden_size=need("embedding_length"),
-        intermediate_size=need("feed_forward_length"),
-        num_hidden_layers=need("block_count"),
-        num_attention_heads=heads,
-        num_key_value_heads=md.get(f"{arch}.attention.head_count_kv", heads),
-        max_position_embeddings=need("context_length"),
-        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(md.get(f"{arch}.rope.freq_base", DEFAULT_ROPE_THETA)),
-        rope_scaling=scaling,
-        head_dim=md.get(f"{arch}.attention.key_length"),  # absent: embedding_length / head_count
-        tie_word_embeddings=False,  # decided by the tensors present, see GGUFCheckpoint
-        attention_bias=None,  # likewise
-        torch_dtype="bfloat16",
-        bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
-        eos_token_id=md.get("tokenizer.ggml.eos_token_id"),
-        architectures=(architecture,),
-        extra=family_fields(md, arch, tensor_names) if family_fields else {},
-    )
+    # config field -> the GGUF key it comes from, so that the config's checks name the key
+    gguf_keys = {"hidden_size": "embedding_length", "intermediate_size": "feed_forward_length",
+                 "num_hidden_layers": "block_count", "num_attention_heads": "attention.head_count",
+                 "num_key_value_heads": "attention.head_count_kv", "max_position_embeddings": "context_length",
+                 "head_dim": "attention.key_length", "rope_theta": "rope.freq_base",
+                 "rope_scaling": "rope.scaling.type", "rope_scaling.factor": "rope.scaling.factor",
+                 "vocab_size": "vocab_size"}
+    try:
+        return ModelConfig(
+            vocab_size=len(tokens) if tokens else need("vocab_size"),
+            hidden_size=need("embedding_length"),
+            intermediate_size=need("feed_forward_length"),
+            num_hidden_layers=need("block_count"),
+            num_attention_heads=heads,
+            num_key_value_heads=md.get(f"{arch}.attention.head_count_kv", heads),
+            max_position_embeddings=need("context_length"),
+            rms_norm_eps=number("attention.layer_norm_rms_epsilon"),
+            rope_theta=number("rope.freq_base", DEFAULT_ROPE_THETA),
+            rope_scaling=scaling,
+            head_dim=head_dim,
+            tie_word_embeddings=False,  # decided by the tensors present, see GGUFCheckpoint
+            attention_bias=None,  # likewise
+            torch_dtype="bfloat16",
+            bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
+            eos_token_id=md.get("tokenizer.ggml.eos_token_id"),
+            architectures=(architecture,),
+            extra=family_fields(md, arch, tensor_names) if family_fields else {},
+        )
+    except ConfigError as e:  # worded for config.json: add the key the field comes from
+        field_named = re.match(r"config field ([\w.]+)", str(e))
+        key = gguf_keys.get(field_named[1]) if field_named else None
+        if key is None or (field_named[1] == "vocab_size" and tokens):
+            raise
+        raise ConfigError(f"{e} (GGUF key {arch}.{key})") from e
+
+
+def _check_head_widths(md: dict, arch: str, key_length) -> None:
+    """qwenserve's attention has one head width for q, k and v and rotates whole heads: a file whose value
+    heads or rotary width differ from its key heads' is refused."""
+    heads, width = md.get(f"{arch}.attention.head_count"), md.get(f"{arch}.embedding_length")
+    if key_length is not None:
+        head_width, said = key_length, f"{arch}.attention.key_length ({key_length})"
+    elif isinstance(heads, int) and isinstance(width, int) and heads > 0 and width % heads == 0:
+        head_width, said = width // heads, f"the head width {arch}.embedding_length / attention.head_count " \
+                                           f"({width // heads})"
+    else:
+        return  # the config's checks report it
+    value_length = md.get(f"{arch}.attention.value_length")
+    if value_length is not None and value_length != head_width:
+        raise ConfigError(f"GGUF metadata {arch}.attention.value_length ({value_length}) differs from {said}; "
+                          "qwenserve's attention takes one head width for keys and values")
+    rotary = md.get(f"{arch}.rope.dimension_count")
+    if rotary is not None and rotary != head_width:
+        raise ConfigError(f"GGUF metadata {arch}.rope.dimension_count ({rotary}) differs from {said}; qwenserve's "
+                          "rotary embedding turns whole heads")
 
 
 class GGUFCheckpoint(Checkpoint):
@@ -260,7 +312,10 @@ class GGUFCheckpoint(Checkpoint):
         hf_overrides: fields merged into the config.json the metadata makes, then read and checked as one."""
         self.file = GGUFFile(path)
         if config is None:
-            config = config_from_gguf(self.file.metadata, frozenset(self.file.tensors))
+            try:
+                config = config_from_gguf(self.file.metadata, frozenset(self.file.tensors))
+            except ConfigError as e:  # the metadata's errors name the key; this names the file
+                raise ConfigError(f"{path}: {e}") from e
             if "output.weight" not in self.file.tensors:  # no separate LM head: it is the embedding
                 config = dataclasses.replace(config, tie_word_embeddings=True)
             config = dataclasses.replace(config, attention_bias="blk.0.attn_q.bias" in self.file.tensors)
@@ -272,6 +327,7 @@ class GGUFCheckpoint(Checkpoint):
                          "llama.cpp GGUF names (blk.N.attn_q.weight, ...)", generation)
         model_class = model_class or MODEL_REGISTRY.model_class(config.architectures[0])
         self.layer_names = getattr(model_class, "gguf_layer_names", {})
+        self.layer_count_key = f"GGUF metadata {self.file.metadata.get('general.architecture')}.block_count"
 
     native_quantization = "gguf"
 

@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # a layer's KV cache scales as FP8 checkpoints name them: self_attn.k_scale / v_scale (vLLM's fp8), self_attn.kv_scale
 # (older files: one for both), self_attn.k_proj.output_scale / v_proj.output_scale (compressed-tensors)
+_LAYER_NUMBER = re.compile(r"model\.layers\.(\d+)\.")
 _KV_SCALE = re.compile(r"(?P<layer>.+\.self_attn)\.(?:attn\.)?(?:(?P<which>k_scale|v_scale|kv_scale)|"
                        r"(?P<proj>k|v)_proj\.output_scale)$")
 
@@ -63,7 +64,8 @@ def load_model(resolved: ResolvedModel, device: str | torch.device = "cpu", tp: 
     if resolved.quantization == "none" and is_fp8(resolved.quantization_config):  # the dequantized reference
         weights = dequantized_weights(weights, resolved.quantization_config)
     try:
-        load_weights(model, weights, checkpoint.naming)
+        load_weights(model, weights, checkpoint.naming, resolved.config.num_hidden_layers,
+                     checkpoint.layer_count_key)
     except WeightLoadError as e:  # the tensor is named; the checkpoint too, for a user who loads several
         raise WeightLoadError(f"{checkpoint.path}: {e}") from e
     model.process_weights_after_loading(after_each=checkpoint.release_pages)
@@ -91,8 +93,11 @@ def name_layers(model: CausalLM) -> None:
             parts_named(lambda part, prefix=name: names_of(f"{prefix}.{part}"))
 
 
-def load_weights(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]], naming: str) -> None:
-    """Copy checkpoint tensors (HF names) into the model; raise listing every missing and unexpected tensor."""
+def load_weights(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]], naming: str,
+                 num_layers: int | None = None, layer_count_key: str = "num_hidden_layers") -> None:
+    """Copy checkpoint tensors (HF names) into the model; raise listing every missing and unexpected tensor.
+    num_layers: the model's decoder layers, as the checkpoint's layer_count_key says: a tensor of a layer past
+    them is refused at once (the checkpoint holds a deeper model than its config says)."""
     params = dict(model.named_parameters())  # a tied LM head appears once, as the embedding
     modules = dict(model.named_modules())
     packed = model.packed_modules_mapping
@@ -124,6 +129,10 @@ def load_weights(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]], n
                 target, shard = target.replace(f".{ckpt_part}.", f".{fused}."), shard_id
                 break
         param = params.get(target)
+        layer = _LAYER_NUMBER.match(target)
+        if param is None and layer and num_layers is not None and int(layer[1]) >= num_layers:
+            raise WeightLoadError(f"{name} is a tensor of layer {layer[1]}, but {layer_count_key} is "
+                                  f"{num_layers}: the checkpoint holds more layers than its config gives the model")
         if param is None:
             unexpected.append(name)
             continue

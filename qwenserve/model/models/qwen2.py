@@ -245,10 +245,14 @@ class Qwen2ForCausalLM(nn.Module):
 
     def checkpoint_target(self, name: str) -> str | None:
         """The parameter name a checkpoint tensor loads into, or None when another pipeline stage owns it. A
-        tied head on a last stage without the embedding loads its own copy of the embedding's weight."""
+        tied head on a last stage without the embedding loads its own copy of the embedding's weight. A layer
+        past the model's last is no stage's: its name comes back as it is, which no parameter has (the loader
+        refuses it)."""
         if name.startswith("model.layers."):
             index = int(name.split(".")[2])
-            return name if self.model.start_layer <= index < self.model.end_layer else None
+            owned_elsewhere = index < self.config.num_hidden_layers and not (
+                self.model.start_layer <= index < self.model.end_layer)
+            return None if owned_elsewhere else name
         if name.startswith("model.embed_tokens."):
             if self.model.embed_tokens is not None:
                 return name

@@ -20,6 +20,7 @@ dtype."""
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -143,6 +144,10 @@ class Qwen2MoeDecoderLayer(Qwen2DecoderLayer):
         return SparseMoeBlock(config, moe, tp, linear_method)
 
 
+# a shared expert's tensors in a GGUF file: its gate, up and down projections and the gate that scales it
+_GGUF_SHARED_EXPERT = re.compile(r"blk\.\d+\.ffn_(gate|up|down|gate_inp)_shexp\.weight$")
+
+
 def _gguf_positive(md: dict, key: str) -> int:
     value = md.get(key)
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -173,10 +178,14 @@ class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
         dense_width = md.get(f"{arch}.feed_forward_length")
         # llama.cpp's fallbacks where a width key is absent: the dense width over the experts used; the dense width
         expert_width = md.get(f"{arch}.expert_feed_forward_length") or (dense_width or 0) // used
+        if used > experts:
+            raise ConfigError(f"GGUF metadata {arch}.expert_used_count ({used}) is more than {arch}.expert_count "
+                              f"({experts})")
         sparse = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in tensor_names]
         if not sparse:
             raise ConfigError(f"GGUF file of architecture {arch} has no router tensor (blk.N.ffn_gate_inp.weight) "
                               "in any layer: it is not a mixture-of-experts file")
+        cls._check_shared_expert_tensors(arch, tensor_names)
         shared = cls.layer_class.has_shared_expert and any(
             f"blk.{i}.ffn_gate_inp_shexp.weight" in tensor_names for i in sparse)
         return {
@@ -187,6 +196,23 @@ class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
             "decoder_sparse_step": 1, "mlp_only_layers": [i for i in range(layers) if i not in sparse],
             "qkv_bias": "blk.0.attn_q.bias" in tensor_names,
         }
+
+    @classmethod
+    def _check_shared_expert_tensors(cls, arch: str, tensor_names: frozenset[str]) -> None:
+        """Refuse shared-expert tensors the model would drop: any, in a family without a shared expert; a
+        layer's gate/up/down without the gate that scales them (the model has a shared expert only where
+        blk.N.ffn_gate_inp_shexp is)."""
+        found = sorted(n for n in tensor_names if _GGUF_SHARED_EXPERT.match(n))
+        if found and not cls.layer_class.has_shared_expert:
+            raise ConfigError(f"GGUF tensor {found[0]} belongs to a shared expert, but {cls.__name__} ({arch}) has "
+                              f"no shared expert: the file's {len(found)} shared-expert tensors are unexpected")
+        for layer in sorted({int(name.split(".")[1]) for name in found}):
+            gate = f"blk.{layer}.ffn_gate_inp_shexp.weight"
+            if gate not in tensor_names:
+                parts = [p for p in ("gate", "up", "down") if f"blk.{layer}.ffn_{p}_shexp.weight" in tensor_names]
+                raise ConfigError(f"GGUF layer {layer} has its shared expert's {'/'.join(parts)} tensors "
+                                  f"(blk.{layer}.ffn_{{{','.join(parts)}}}_shexp.weight) but not the shared "
+                                  f"expert's gate tensor {gate}, which scales its output")
 
     @classmethod
     def expert_layers(cls, config: ModelConfig) -> list[int]:
@@ -207,5 +233,8 @@ class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
         config.json says it has none (its gate alone scales nothing, and is dropped whatever its shape)."""
         if (".mlp.shared_expert." in name and not self.config.extra.get("shared_expert_intermediate_size")
                 and math.prod(tensor.shape)):
+            if not self.layer_class.has_shared_expert:
+                raise ValueError(f"checkpoint tensor has shape {tuple(tensor.shape)}, but {type(self).__name__} "
+                                 "has no shared expert: the tensor is unexpected")
             raise ValueError(f"checkpoint tensor has shape {tuple(tensor.shape)}, but config field "
                              "shared_expert_intermediate_size is 0: the model has no shared expert to load it into")
