@@ -4,6 +4,8 @@ model made to write scripted tokens (scripted.py): the tokens before the marker 
 holds after it (a marker of several tokens, in any tokenization, or of one), the answer's first bytes in the
 marker's own token are the grammar's, an answer that does not open the prefix is constrained from its first token,
 and n > 1, preemption and a prefix that never ends leave no state behind."""
+import dataclasses
+import json
 import re
 
 import pytest
@@ -13,7 +15,8 @@ from hypothesis import strategies as st
 from qwenserve import LLM, SamplingParams
 from qwenserve.config.errors import RequestError
 from qwenserve.entrypoints.openai.reasoning import ReasoningSplitter, constraint_prefix
-from qwenserve.sample.free_prefix import CONSTRAINED, FREE, UNDECIDED, PrefixGate, opening_masks
+from qwenserve.sample.free_prefix import (CONSTRAINED, FREE, LEADING_BLANKS, MAX_LEADING_BLANK_TOKENS, UNDECIDED,
+                                          PrefixGate, opening_masks)
 from qwenserve.sample.structured_outputs import BLANKS, FreePrefix, StructuredOutputsParams as Constraint
 
 from helpers import SPECIAL_TOKENS, record_preemptions, save_hf_dir, tiny_hf_model, tiny_tokenizer, tiny_vocab
@@ -51,7 +54,9 @@ def gate_run(prefix: FreePrefix, pieces: list[bytes]):
     gate, answer, opened, fed = PrefixGate(prefix), None, False, b""
     for piece in pieces:
         fed += piece
-        if gate.phase == CONSTRAINED:
+        if gate.phase == LEADING_BLANKS and gate.take_blank(piece):
+            continue  # the answer's leading blanks: not the grammar's
+        if gate.phase in (LEADING_BLANKS, CONSTRAINED):
             answer += piece
             continue
         now_opened, tail = gate.feed(piece)
@@ -85,7 +90,8 @@ def test_the_gate_splits_where_the_reasoning_splitter_does(pieces, cuts, prompt)
         assert phase in (FREE, UNDECIDED) and not content
     else:
         tail = taken.decode()
-        assert phase == CONSTRAINED and content.endswith(tail) and not content[:len(content) - len(tail)].strip(BLANKS)
+        assert phase == CONSTRAINED and content.endswith(tail)
+        assert not content[:len(content) - len(tail)].strip(BLANKS)
 
 
 def test_opening_masks_allow_exactly_what_keeps_the_start_possible():
@@ -126,7 +132,7 @@ def assert_no_leak(llm):
     assert not llm.engine.has_unfinished_requests()
     llm.engine.kv.check_invariants([])
     manager = llm.engine.structured_output
-    assert manager.num_compiling == 0 and not manager._matchers and not manager._gates and not manager._opening
+    assert manager.num_compiling == 0 and not manager._matchers and not manager._gates and not manager._masks
 
 
 def test_the_free_text_is_unconstrained_and_the_grammar_holds_after_its_end(llm):
@@ -223,6 +229,46 @@ def test_blanks_after_the_marker_in_its_own_token_are_not_the_grammars(tmp_path)
     assert out.token_ids[:len(script)] == script and re.fullmatch(DIGITS, out.text[len("plan</think>\n"):]), out.text
     assert_no_leak(llm)
     llm.engine.shutdown()
+
+
+def test_a_json_answer_may_start_with_blank_tokens_after_the_marker(llm):
+    """With answer_blanks (a JSON answer or a tool call after Qwen3's reasoning), the blank-only tokens that
+    follow the marker (Qwen3 writes `</think>` then `\n\n`) are allowed beside the grammar's and not fed to it, at
+    most MAX_LEADING_BLANK_TOKENS of them; without it (a regex, a choice) the grammar masks them."""
+    blanks = FreePrefix(end="</think>", answer_blanks=True)
+    schema = Constraint(json={"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+                              "additionalProperties": False})
+    script = ids(llm, "ok</think>") + ids(llm, "\n") + ids(llm, " ") + ids(llm, '{"a": 5}')
+    with scripted(script):
+        out = run(llm, temperature=0.0, max_tokens=30,
+                  structured_outputs=dataclasses.replace(schema, free_prefix=blanks))[0]
+    assert out.token_ids[:len(script)] == script and json.loads(out.text[len("ok</think>"):]) == {"a": 5}, out.text
+    # past the bound the grammar alone decides: a third blank is masked
+    script = ids(llm, "ok</think>") + ids(llm, "\n") * (MAX_LEADING_BLANK_TOKENS + 2) + ids(llm, '{"a": 5}')
+    with scripted(script):
+        out = run(llm, temperature=0.0, max_tokens=30,
+                  structured_outputs=dataclasses.replace(schema, free_prefix=blanks))[0]
+    tail = out.text[len("ok</think>"):]
+    assert tail.startswith("\n" * MAX_LEADING_BLANK_TOKENS) and tail[MAX_LEADING_BLANK_TOKENS] == "{", out.text
+    with scripted(ids(llm, "ok</think>") + ids(llm, "\n") + ids(llm, "1234")):  # a regex stays exact
+        out = run(llm, temperature=0.0, max_tokens=20,
+                  structured_outputs=Constraint(regex=DIGITS, free_prefix=OPENED))[0]
+    assert re.fullmatch(DIGITS, out.text[len("ok</think>"):]), out.text
+    assert_no_leak(llm)
+
+
+def test_the_gate_takes_a_bounded_run_of_leading_blanks():
+    gate = PrefixGate(FreePrefix(end="</think>", answer_blanks=True))
+    assert gate.feed(b"x</think>") == (False, b"") and gate.phase == LEADING_BLANKS
+    assert gate.take_blank(b"\n\n") and gate.phase == LEADING_BLANKS
+    assert not gate.take_blank(b"{") and gate.phase == CONSTRAINED  # the answer's first text
+    gate = PrefixGate(FreePrefix(end="</think>", answer_blanks=True))
+    gate.feed(b"x</think>")
+    assert all(gate.take_blank(b" ") for _ in range(MAX_LEADING_BLANK_TOKENS)) and gate.phase == CONSTRAINED
+    gate = PrefixGate(FreePrefix(end="</think>", answer_blanks=True))
+    assert gate.feed(b"x</think> {") == (False, b"{") and gate.phase == CONSTRAINED  # the answer began in it
+    gate = PrefixGate(OPENED)
+    assert gate.feed(b"x</think>") == (False, b"") and gate.phase == CONSTRAINED
 
 
 def test_free_text_that_never_ends_is_never_masked(llm):

@@ -195,7 +195,9 @@ def test_bad_chat_template_kwargs_are_400s(served):
     body = {"model": "qwen3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     for kwargs, message in (({"tools": []}, "chat_template_kwargs may not set tools"),
                             ({"add_generation_prompt": False}, "may not set add_generation_prompt"),
-                            ([1, 2], "chat_template_kwargs")):
+                            ([1, 2], "chat_template_kwargs"),
+                            ({"enable_thinking": "false"}, "enable_thinking must be true or false, got 'false'"),
+                            ({"enable_thinking": 0}, "enable_thinking must be true or false, got 0")):
         r = httpx.post(f"{url}/v1/chat/completions", json=body | {"chat_template_kwargs": kwargs})
         assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
     from helpers import wait_idle_and_clean

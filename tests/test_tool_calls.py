@@ -259,3 +259,54 @@ def test_a_named_function_is_called_once_and_required_as_often_as_parallel_allow
                                  parallel_tool_calls=parallel_tool_calls)
     grammar = body.sampling_params({}, tool_tag_ids=(264, 265)).structured_outputs.grammar
     assert grammar == forced_call_grammar(body.forced_tools(), parallel, (264, 265))
+
+
+FORCED = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def forced(text, named=None, step=None):
+    """A forced answer's (content, [(name, arguments)]), parsed whole, or streamed step characters at a time."""
+    parser = ToolCallParser(NAMES, forced=True, named=named)
+    if step is None:
+        content, found = parse_tool_calls(text, NAMES, forced=True, named=named)
+        return content, [(c.name, c.arguments) for c in found]
+    events = [e for i in range(0, len(text), step) for e in parser.feed(text[i:i + step])] + parser.finish()
+    content = "".join(e for e in events if isinstance(e, str)) or None
+    calls = {}
+    for d in (e for e in events if isinstance(e, ToolCallDelta)):
+        name, arguments = calls.get(d.index, (d.name, ""))
+        calls[d.index] = (name, arguments + d.arguments)
+    return content, [calls[i] for i in sorted(calls)]
+
+
+@pytest.mark.parametrize("cut, named, required", [
+    ("<tool_", [("get_weather", "")], []),  # cut before the call's name
+    ('<tool_call>\n{"name": "get_wea', [("get_weather", "")], []),  # inside it: "required" cannot know it
+    ('<tool_call>\n{"name": "get_weather"', [("get_weather", "")], [("get_weather", "")]),  # after it
+    ('<tool_call>\n{"name": "get_weather", "argu', [("get_weather", "")], [("get_weather", "")]),
+    ('<tool_call>\n{"name": "get_weather", "arguments": ', [("get_weather", "")], [("get_weather", "")]),
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"ci', [("get_weather", '{"ci')],
+     [("get_weather", '{"ci')]),  # inside the arguments
+    (FORCED + '\n<tool_call>\n{"name": "get_t', [("get_weather", '{"city": "Paris"}')],
+     [("get_weather", '{"city": "Paris"}')]),  # a second call cut inside its name
+])
+@pytest.mark.parametrize("step", [None, 1, 4])
+def test_a_forced_call_cut_short_is_never_text(cut, named, required, step):
+    """tool_choice "required" or a named function: the answer is only calls (the grammar's), so a cut one's markup
+    is no text. A call whose name is read is kept with what arguments were written ("" if none); a named
+    function's call is kept however early the cut, the request naming it."""
+    assert forced(cut, "get_weather", step) == (None, named)
+    assert forced(cut, step=step) == (None, required)
+
+
+def test_every_prefix_of_a_forced_answer_is_calls_only_and_streams_as_it_parses_whole():
+    answer = FORCED + "\n" + FORCED.replace("get_weather", "get_time").replace("city", "zone")
+    for end in range(len(answer) + 1):
+        for named in (None, "get_weather"):
+            whole_answer = forced(answer[:end], named)
+            assert whole_answer[0] is None and whole_answer == forced(answer[:end], named, step=1), answer[:end]
+            if named and answer[:end].strip():
+                assert whole_answer[1], answer[:end]
+    # not forced ("auto"), a call cut before it is certain stays text, as vLLM's hermes parser leaves it
+    assert parse_tool_calls('<tool_call>\n{"name": "get_weather", "argu', NAMES) == (
+        '<tool_call>\n{"name": "get_weather", "argu', [])

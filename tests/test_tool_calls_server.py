@@ -128,10 +128,18 @@ def test_tool_choice_none_answers_in_text(client):
     assert not choice.message.tool_calls and choice.message.content
 
 
+def test_tool_choice_none_needs_no_tools(client):
+    """As vLLM takes it: "none" asks for no call, so a request without tools may send it."""
+    choice = client.chat.completions.create(model="qwen", messages=QUESTION, tool_choice="none", max_tokens=8,
+                                            temperature=0).choices[0]
+    assert not choice.message.tool_calls and choice.message.content
+
+
 @pytest.mark.parametrize("endpoint, body, param, message", [
     ("chat/completions", {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice", "'nope', which is not among the tools"),
     ("chat/completions", {"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ("chat/completions", {"tool_choice": "auto"}, "tool_choice", "needs tools"),
     ("chat/completions", {"tools": [WEATHER, WEATHER]}, "tools", "same name"),
     ("chat/completions", {"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
      "response_format", "not both"),
@@ -143,3 +151,83 @@ def test_bad_tool_requests_are_400s_naming_the_field(server, endpoint, body, par
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and message in error["message"], error
+
+
+# ---- forced calls cut short, on a tiny Qwen3 whose answers the scripted sampler writes ---------------------------
+
+# Qwen3's template, cut down: thinking off closes an empty think block in the prompt
+QWEN3_LIKE_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+PICK = {"type": "function", "function": {"name": "pick", "parameters": {
+    "type": "object", "required": ["a"], "additionalProperties": False,
+    "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}}}}
+DROP = {"type": "function", "function": {"name": "drop", "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.fixture(scope="module")
+def thinking_server(tmp_path_factory):
+    """(base URL, engine): a tiny Qwen3 with the template above, served with --reasoning-parser qwen3."""
+    from helpers import live_server, save_hf_dir, tiny_qwen3
+
+    from qwenserve.config.engine_config import EngineConfig
+    from qwenserve.engine.async_engine import AsyncLLMEngine
+    from qwenserve.engine.llm_engine import LLMEngine
+    from qwenserve.entrypoints.openai.api_server import build_app
+    path = save_hf_dir(tiny_qwen3(seed=3), str(tmp_path_factory.mktemp("forced_cut")))
+    with open(f"{path}/chat_template.jinja", "w") as f:
+        f.write(QWEN3_LIKE_TEMPLATE)
+    engine = AsyncLLMEngine(LLMEngine(EngineConfig.from_kwargs(model=path, dtype="float32",
+                                                               kv_cache_memory="32MiB")))
+    try:
+        with live_server(build_app(engine, ["qwen3"], reasoning_parser="qwen3")) as url:
+            yield url, engine
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("thinking", [False, True], ids=["thinking_off", "thinking_on"])
+@pytest.mark.parametrize("tool_choice", [{"type": "function", "function": {"name": "pick"}}, "required"],
+                         ids=["named", "required"])
+def test_a_forced_call_cut_by_max_tokens_is_a_call_never_text(thinking_server, tool_choice, thinking):
+    """Cut before its arguments open, a forced call's markup is no content: a named function's call comes with
+    arguments "", a "required" call once its name is written; cut inside them, with what was written. Streamed
+    deltas carry no content and add up to the whole answer; the reasoning before the call stays."""
+    import openai
+    from scripted import scripted
+    url, engine = thinking_server
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    tokenizer = engine.tokenizer
+    reasoning = "<think>ok</think>" if thinking else ""
+    ids = tokenizer.encode(reasoning + '<tool_call>\n{"name": "pick", "arguments": {"a": 3}}\n</tool_call>',
+                           add_special_tokens=False) + [tokenizer.eos_token_id]
+    named = isinstance(tool_choice, dict)
+    kwargs = dict(model="qwen3", messages=[{"role": "user", "content": "hi"}], tools=[PICK, DROP],
+                  tool_choice=tool_choice, temperature=0.0, parallel_tool_calls=False,
+                  extra_body={} if thinking else {"chat_template_kwargs": {"enable_thinking": False}})
+    for cut, calls in (('<tool_call>\n{"name": "pi', [{"name": "pick", "arguments": ""}] if named else []),
+                       ('<tool_call>\n{"name": "pick", "argu', [{"name": "pick", "arguments": ""}]),
+                       ('<tool_call>\n{"name": "pick", "arguments": {"a', [{"name": "pick", "arguments": '{"a'}])):
+        max_tokens = next(k for k in range(len(ids)) if tokenizer.decode(ids[:k]) == reasoning + cut)
+        with scripted(ids):
+            whole = client.chat.completions.create(max_tokens=max_tokens, **kwargs).choices[0]
+            chunks = list(client.chat.completions.create(stream=True, max_tokens=max_tokens, **kwargs))
+        message = whole.message
+        assert (whole.finish_reason, message.content, getattr(message, "reasoning_content", None),
+                [{"name": c.function.name, "arguments": c.function.arguments} for c in message.tool_calls or ()]
+                ) == ("length", None, "ok" if thinking else None, calls), cut
+        assert all(c.id and c.type == "function" for c in message.tool_calls or ())
+        deltas = [c.delta for chunk in chunks for c in chunk.choices]
+        assert not any(d.content for d in deltas), (cut, deltas)
+        streamed_calls = {}
+        for d in (d for delta in deltas for d in delta.tool_calls or ()):
+            call = streamed_calls.setdefault(d.index, {"name": "", "arguments": ""})
+            call["name"] += d.function.name or ""
+            call["arguments"] += d.function.arguments or ""
+        streamed_reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) or None
+        finish = [c.finish_reason for chunk in chunks for c in chunk.choices if c.finish_reason]
+        assert (finish, streamed_reasoning, [streamed_calls[i] for i in sorted(streamed_calls)]) == (
+            ["length"], "ok" if thinking else None, calls), cut
+    from helpers import wait_idle_and_clean
+    wait_idle_and_clean(engine)

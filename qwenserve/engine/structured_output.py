@@ -8,7 +8,7 @@ sequence is recomputed from them), so recompute cannot corrupt it.
 A constraint with a free prefix (a thinking model's reasoning) starts after it: each of its sequences has a gate
 (sample/free_prefix.py) that follows its tokens; while the prefix lasts, the sequence's row is left out of the
 bitmask (or, while it is undecided whether the output opens the prefix, the grammar's row is widened by the
-tokens that may open it). The gate, like the matcher, moves only forward with the sequence's tokens, so
+tokens that may open it; while the answer after it may still start with blanks, by the blank-only tokens). The gate, like the matcher, moves only forward with the sequence's tokens, so
 preemption leaves it as it was; constrained sequences never speculate (core/speculation.py), so no token is
 ever taken back; each of n samples has its own.
 
@@ -22,7 +22,7 @@ import concurrent.futures
 from qwenserve.config.errors import RequestError
 from qwenserve.core.request import Sequence
 from qwenserve.core.step import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
-from qwenserve.sample.free_prefix import CONSTRAINED, FREE, UNDECIDED, PrefixGate
+from qwenserve.sample.free_prefix import CONSTRAINED, FREE, LEADING_BLANKS, UNDECIDED, PrefixGate, PrefixMasks
 from qwenserve.sample.grammar import GrammarCompiler
 from qwenserve.sample.structured_outputs import FIELD
 
@@ -30,21 +30,20 @@ from qwenserve.sample.structured_outputs import FIELD
 class StructuredOutputManager:
     def __init__(self, compiler: GrammarCompiler):
         self.compiler = compiler
-        # request id -> (its sequences, their grammar, the opening masks of their free prefix's start, if any)
+        # request id -> (its sequences, their grammar, their free prefix's masks, if they have one)
         self._compiling: dict[str, tuple[list[Sequence], concurrent.futures.Future,
                                          concurrent.futures.Future | None]] = {}
         self._matchers: dict[int, object] = {}  # seq id -> its llguidance matcher
         self._seqs: dict[int, Sequence] = {}
         self._gates: dict[int, PrefixGate] = {}  # seq id -> its gate, for a constraint with a free prefix
-        self._opening: dict[int, dict] = {}  # seq id -> the opening masks of its (undecided) gate
+        self._masks: dict[int, PrefixMasks] = {}  # seq id -> its gate's masks
 
     def add(self, request_id: str, seqs: list[Sequence]) -> None:
         """Start compiling a constrained request's grammar (its sequences share it); take_ready hands them back."""
         constraint = seqs[0].params.structured_outputs
         prefix = constraint.free_prefix
-        opening = (self.compiler.opening_masks(prefix.start)
-                   if prefix is not None and prefix.start is not None else None)
-        self._compiling[request_id] = (seqs, self.compiler.compile(constraint), opening)
+        masks = self.compiler.prefix_masks(prefix.start) if prefix is not None else None
+        self._compiling[request_id] = (seqs, self.compiler.compile(constraint), masks)
 
     @property
     def num_compiling(self) -> int:
@@ -54,11 +53,11 @@ class StructuredOutputManager:
         """(the sequences of each request whose grammar is now compiled, to schedule; the requests whose grammar
         failed to compile, with the error to fail them with)."""
         ready, failed = [], {}
-        for request_id, (seqs, future, opening) in list(self._compiling.items()):
-            if not future.done() or (opening is not None and not opening.done()):
+        for request_id, (seqs, future, masks) in list(self._compiling.items()):
+            if not future.done() or (masks is not None and not masks.done()):
                 continue
             del self._compiling[request_id]
-            error = future.exception() or (opening.exception() if opening is not None else None)
+            error = future.exception() or (masks.exception() if masks is not None else None)
             if error is not None:
                 failed[request_id] = error if isinstance(error, RequestError) else RequestError(
                     f"{FIELD}: the grammar could not be compiled ({type(error).__name__}: {error})", param=FIELD)
@@ -69,8 +68,7 @@ class StructuredOutputManager:
                 self._seqs[seq.seq_id] = seq
                 if prefix is not None:
                     self._gates[seq.seq_id] = PrefixGate(prefix)
-                    if opening is not None:
-                        self._opening[seq.seq_id] = opening.result()
+                    self._masks[seq.seq_id] = masks.result()
             ready.append(seqs)
         return ready, failed
 
@@ -94,8 +92,10 @@ class StructuredOutputManager:
             for row, seq_id in enumerate(seq_ids):
                 gate = self._gates.get(seq_id)
                 if gate is not None and gate.phase == UNDECIDED:  # the answer may still open its free prefix
-                    opening = self._opening[seq_id][gate.lead]
+                    opening = self._masks[seq_id].opening[gate.lead]
                     bitmask[row] = (bitmask[row] | opening) if gate.grammar_alive else opening
+                elif gate is not None and gate.phase == LEADING_BLANKS:  # the answer may still start with blanks
+                    bitmask[row] |= self._masks[seq_id].blanks
             scheduler_output.grammar_bitmask = GrammarBitmask(seq_ids, bitmask)
 
     def advance(self, runner_output: ModelRunnerOutput) -> tuple[set[int], dict[int, str]]:
@@ -124,7 +124,12 @@ class StructuredOutputManager:
     def _through_gate(self, gate: PrefixGate, matcher, token: int) -> str:
         """A token of a sequence still in (or maybe opening) its free prefix; returns why its grammar cannot go
         on, or "". Undecided, the grammar takes the token where it allows it (validated first, so that a token
-        only the opening allowed leaves the matcher as it was)."""
+        only the opening allowed leaves the matcher as it was). Of the answer's leading blanks the grammar sees
+        none: it takes the first token with other text."""
+        if gate.phase == LEADING_BLANKS:
+            if gate.take_blank(self.compiler.token_bytes(token)) or matcher.consume_token(token):
+                return ""
+            return matcher.get_error() or f"token {token} is not allowed by the grammar"
         if gate.phase == UNDECIDED:
             if gate.grammar_alive and matcher.validate_tokens([token]) == 1:
                 matcher.consume_token(token)
@@ -152,7 +157,7 @@ class StructuredOutputManager:
             self._matchers.pop(seq.seq_id, None)
             self._seqs.pop(seq.seq_id, None)
             self._gates.pop(seq.seq_id, None)
-            self._opening.pop(seq.seq_id, None)
+            self._masks.pop(seq.seq_id, None)
 
     def abort(self, request_id: str) -> None:
         """Forget a request still compiling (one already running is released with its sequences)."""

@@ -21,7 +21,7 @@ import numpy as np
 
 from qwenserve.config.errors import RequestError
 from qwenserve.model.loader.tokenizer import END_OF_TURN
-from qwenserve.sample.free_prefix import opening_masks
+from qwenserve.sample.free_prefix import PrefixMasks, blank_tokens_mask, opening_masks
 from qwenserve.sample.structured_outputs import FIELD, StructuredOutputsParams
 
 # JSON without free whitespace between tokens: a small model sampled at temperature 1 otherwise can spend its
@@ -95,7 +95,7 @@ class GrammarCompiler:
         self._cache: OrderedDict[tuple[str, str], concurrent.futures.Future] = OrderedDict()
         self._lock = threading.Lock()
         self._executor = None  # llguidance's thread pool for filling many rows at once, made on first use
-        self._opening: dict[str, concurrent.futures.Future] = {}  # a free prefix's start -> its opening masks
+        self._prefix_masks: dict[str | None, concurrent.futures.Future] = {}  # a free prefix's start -> its masks
 
     @property
     def bitmask_words(self) -> int:
@@ -139,19 +139,20 @@ class GrammarCompiler:
                                                               eos_token=self._eos_token_ids)
         return self._ll_tokenizer
 
-    def opening_masks(self, start: str) -> concurrent.futures.Future:
-        """A future of free_prefix.opening_masks for `start` over this vocabulary: a scan of every token's text,
-        on the compiling thread (the steps go on meanwhile), once per engine for each start."""
+    def prefix_masks(self, start: str | None) -> concurrent.futures.Future:
+        """A future of the PrefixMasks of a free prefix with this start (None: none) over this vocabulary: a scan
+        of every token's text, on the compiling thread (the steps go on meanwhile), once per engine for each start."""
         with self._lock:
-            future = self._opening.get(start)
+            future = self._prefix_masks.get(start)
             if future is None:
-                future = self._opening[start] = self._pool.submit(self._opening_masks, start)
+                future = self._prefix_masks[start] = self._pool.submit(self._scan_prefix_masks, start)
         return future
 
-    def _opening_masks(self, start: str) -> dict[str, np.ndarray]:
+    def _scan_prefix_masks(self, start: str | None) -> PrefixMasks:
         tokenizer = self._tokenizer()
-        texts = ((i, tokenizer.decode_bytes([i]).decode("utf-8", "replace")) for i in range(len(self._hf_tokenizer)))
-        return opening_masks(texts, start, self.bitmask_words)
+        texts = [(i, tokenizer.decode_bytes([i]).decode("utf-8", "replace")) for i in range(len(self._hf_tokenizer))]
+        opening = opening_masks(texts, start, self.bitmask_words) if start is not None else {}
+        return PrefixMasks(opening, blank_tokens_mask(texts, self.bitmask_words))
 
     def token_bytes(self, token_id: int) -> bytes:
         """A token's bytes as the grammar sees them (a special token's are its text); only once a grammar has

@@ -26,9 +26,12 @@ BLANKS = " \t\r\n"
 class FreePrefix:
     """Free text the constraint waits out: it applies from the token after `end`. With `start`, the output may
     open the free text with it (after BLANKS, as the reasoning parsers decide), and one that does not is
-    constrained from its first token; without, the output begins inside it (the prompt opened it)."""
+    constrained from its first token; without, the output begins inside it (the prompt opened it). With
+    answer_blanks, the answer after `end` may start with a few blank-only tokens its grammar does not see (a JSON
+    answer or a tool call, where blanks change nothing; a regex or a choice stays exact)."""
     end: str
     start: str | None = None
+    answer_blanks: bool = False
 
     def __post_init__(self):
         for name in ("end", "start"):

@@ -218,7 +218,7 @@ class ChatCompletionRequest(_SamplingFields):
     def forced_tools(self) -> list[dict] | None:
         """The tools one of which the answer must call ("required": any of them; a named function: that one),
         or None when tool_choice forces no call. Checks tools and tool_choice (RequestError naming the field)."""
-        if self.tool_choice is not None and not self.tools:
+        if self.tool_choice not in (None, "none") and not self.tools:  # "none" needs none, as vLLM takes it
             raise RequestError("tool_choice needs tools to choose from", param="tool_choice")
         if not self.tools:
             return None
@@ -253,6 +253,9 @@ _TEMPLATE_ARGUMENTS = ("conversation", "messages", "tools", "documents", "chat_t
                        "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
                        "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs")
 
+# the chat template switches chat_template_kwargs may set, which must be booleans (Qwen3's)
+_TEMPLATE_SWITCHES = ("enable_thinking",)
+
 
 def check_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
     """chat_template_kwargs: more variables for the chat template (Qwen3's enable_thinking), none of them one the
@@ -261,6 +264,10 @@ def check_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | Non
     if taken:
         raise ValueError(f"chat_template_kwargs may not set {', '.join(taken)}: the server sets "
                          f"{'it' if len(taken) == 1 else 'them'} from the request's own fields")
+    for name in _TEMPLATE_SWITCHES:
+        # the template tests the value's truth: the string "false" would leave thinking on
+        if name in (kwargs or {}) and not isinstance(kwargs[name], bool):
+            raise ValueError(f"chat_template_kwargs.{name} must be true or false, got {kwargs[name]!r}")
     return kwargs
 
 

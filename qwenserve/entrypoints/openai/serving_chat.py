@@ -11,10 +11,13 @@ from fastapi import Request
 
 from qwenserve.engine.outputs import RequestOutput
 from qwenserve.entrypoints.openai.chat_prompt import ChatPromptRenderer, name_the_part
-from qwenserve.entrypoints.openai.protocol import ChatCompletionRequest
+from qwenserve.entrypoints.openai.protocol import ChatCompletionRequest, NamedToolChoice
 from qwenserve.entrypoints.openai.reasoning import ReasoningSplitter, constraint_prefix
 from qwenserve.entrypoints.openai.serving_engine import APIError, OpenAIServing, engine_ids_prefix, request_id, usage
 from qwenserve.entrypoints.openai.tool_calls import ToolCallParser, parse_tool_calls, tag_token_ids
+
+# the constraint kinds whose answer may start with blank tokens after the reasoning (JSON's own whitespace)
+ANSWER_BLANKS = ("json", "json_object")
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -33,10 +36,14 @@ class OpenAIServingChat(OpenAIServing):
         params = self._params(body, tool_tag_ids=self.tool_tag_ids)
         tools = body.tools_in_use
         tool_names = {tool["function"]["name"] for tool in tools or ()}
+        named = body.tool_choice.function.name if isinstance(body.tool_choice, NamedToolChoice) else None
+        forced = body.forces_tool_calls
         chat = await self.renderer.render(body.messages, body.add_generation_prompt, tools, body.chat_template_kwargs)
         if self.reasoning_parser and params.structured_outputs is not None:  # constrained after the reasoning
-            params.structured_outputs = dataclasses.replace(
-                params.structured_outputs, free_prefix=constraint_prefix(self.reasoning_parser, chat.text))
+            prefix = constraint_prefix(self.reasoning_parser, chat.text)
+            if prefix is not None and (body.forces_tool_calls or params.structured_outputs.kind in ANSWER_BLANKS):
+                prefix = dataclasses.replace(prefix, answer_blanks=True)  # Qwen3's blank line after </think>
+            params.structured_outputs = dataclasses.replace(params.structured_outputs, free_prefix=prefix)
         rid = f"chatcmpl-{request_id(request)}"
         created = int(time.time())
         try:
@@ -51,7 +58,7 @@ class OpenAIServingChat(OpenAIServing):
             header = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
             return self._stream(request, header, admitted, body,
                                 self._delta_choices(params.n, top_k, tool_names, body.parallel_tool_calls,
-                                                    chat.text), first)
+                                                    chat.text, forced, named), first)
         out = (await self._run(admitted, request))[0]
         choices = []
         for c in out.outputs:
@@ -59,12 +66,14 @@ class OpenAIServingChat(OpenAIServing):
                                if self.reasoning_parser else (None, c.text))
             message, finish_reason = {"role": "assistant", "content": text}, c.finish_reason
             if tools:
-                content, calls = parse_tool_calls(text, tool_names)
+                content, calls = parse_tool_calls(text, tool_names, forced, named)
                 calls = calls if body.parallel_tool_calls else calls[:1]
                 if calls:
                     message = {"role": "assistant", "content": content,
                                "tool_calls": [call.to_openai() for call in calls]}
                     finish_reason = _calls_finish_reason(finish_reason)
+                elif forced:  # cut before a call was certain: its markup is no text either
+                    message = {"role": "assistant", "content": content}
             if reasoning is not None:  # as vLLM: an answer that is all reasoning has no content
                 message = {**message, "reasoning_content": reasoning, "content": message["content"] or None}
             choices.append({"index": c.index, "message": message, "logprobs": self._logprobs(c, top_k),
@@ -73,16 +82,16 @@ class OpenAIServingChat(OpenAIServing):
                 "usage": usage([out])}
 
     def _delta_choices(self, n: int, top_k: int, tool_names: set[str], parallel_tool_calls: bool = True,
-                       prompt_text: str = ""):
+                       prompt_text: str = "", forced: bool = False, named: str | None = None):
         """The streamed choices of each output: its new text and the logprobs not sent yet. With a reasoning
         parser, the text first goes through a ReasoningSplitter: reasoning as `reasoning_content` deltas, the rest
         on. With tools, that goes through a ToolCallParser: text that may be a call is held until it is known, and
         a call comes as a first delta with its id and name, then its arguments piece by piece as they are
-        written."""
+        written; forced and named as for ToolCallParser."""
         sent_logprobs = [0] * n
         splitters = ([ReasoningSplitter(self.reasoning_parser, prompt_text) for _ in range(n)]
                      if self.reasoning_parser else None)
-        parsers = [ToolCallParser(tool_names) for _ in range(n)] if tool_names else None
+        parsers = [ToolCallParser(tool_names, forced, named) for _ in range(n)] if tool_names else None
         called = [False] * n
 
         def choices(_, out: RequestOutput):

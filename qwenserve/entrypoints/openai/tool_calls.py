@@ -22,7 +22,11 @@ One parser reads the answer character by character, whole (parse_tool_calls) or 
   once it is settled (a string character by character, a number or literal once it ends), so the pieces add up
   to the whole answer's `arguments` exactly. An answer that ends inside a call's arguments (max_tokens) keeps
   the call with what was written, as OpenAI does; JSON that breaks inside a call already sent ends the call
-  there, and the text from the break on is text."""
+  there, and the text from the break on is text.
+- A forced answer (tool_choice "required" or a named function, held to forced_call_grammar) is only calls, so
+  none of it is text, as with vLLM's forced calls. Cut short (max_tokens, a stop string) before its arguments
+  open, a call whose name is read is kept with arguments "", and one cut inside its name is dropped; a named
+  function's call is kept however early the answer was cut once it has begun, the request naming it."""
 from __future__ import annotations
 
 import json
@@ -76,10 +80,11 @@ class ToolCallDelta:
                 "function": {"name": self.name, "arguments": self.arguments}}
 
 
-def parse_tool_calls(text: str, tool_names: set[str]) -> tuple[str | None, list[ToolCall]]:
+def parse_tool_calls(text: str, tool_names: set[str], forced: bool = False,
+                     named: str | None = None) -> tuple[str | None, list[ToolCall]]:
     """(the text that is not a call, or None if there is none; the calls, in order). An answer with no call is
-    its text as written, as vLLM's hermes parser returns it."""
-    parser = ToolCallParser(tool_names)
+    its text as written, as vLLM's hermes parser returns it, unless forced (see ToolCallParser)."""
+    parser = ToolCallParser(tool_names, forced, named)
     parser.feed(text)
     parser.finish()
     return parser.content or None, parser.calls
@@ -102,16 +107,23 @@ class ToolCallParser:
 
     The reading is a generator fed one character at a time (EOF at the end); each reader consumes exactly its
     own text and puts back (_unread) the character that ends it, for the next reader. The text between the mark
-    and the reading position is held: not yet known to be text or part of a call."""
+    and the reading position is held: not yet known to be text or part of a call.
 
-    def __init__(self, tool_names: set[str]):
+    forced: the answer is held to forced_call_grammar, so it holds no text: what is not a call is a call cut
+    short, kept once its name is known. named: the function a named tool_choice forces (forced too), whose call
+    is kept even when the answer was cut before its name."""
+
+    def __init__(self, tool_names: set[str], forced: bool = False, named: str | None = None):
         self.tool_names = tool_names
+        self.forced = forced or named is not None
+        self.named = named
         self.calls: list[ToolCall] = []
         self.content = ""  # the text sent so far
         self._text = ""  # the answer so far
         self._pos = 0  # the next character to read
         self._mark = 0  # the text before it is decided
         self._open: ToolCall | None = None  # a call sent whose JSON has not closed yet
+        self._pending: str | None = None  # the name of a call being read, not sent yet
         self._ended = False
         self._space = ""  # whitespace held until more text follows (or the answer ends after text)
         self._after_call = False  # a call came after the last text sent
@@ -154,6 +166,8 @@ class ToolCallParser:
         self._mark = self._pos
 
     def _say(self, text: str) -> None:
+        if self.forced:  # the grammar allows no text: this is markup of a call cut short
+            return
         if not self.content and self.calls:  # the first text after the calls that open the answer: no blanks lead
             text = text.lstrip()
             if not text:
@@ -179,6 +193,7 @@ class ToolCallParser:
             self._space = ""
         self._after_call = True
         self._mark = self._pos
+        self._pending = None
         self._open = ToolCall(name, "", f"call_{uuid.uuid4().hex[:24]}")
         self.calls.append(self._open)
         self._events.append(ToolCallDelta(len(self.calls) - 1, id=self._open.id, name=name))
@@ -193,7 +208,10 @@ class ToolCallParser:
 
     def _stop(self) -> None:
         """What was being read is not a call: a call already sent ends where its JSON broke (or the answer
-        ended), and the text held since the last call is text."""
+        ended), and the text held since the last call is text. A forced call whose name is read is a call."""
+        if self.forced and self._open is None and self._pending is not None:
+            self._send_call(self._pending)  # its arguments had not opened: none were written
+        self._pending = None
         if self._open is not None:
             self._open = None
             self._mark = self._pos
@@ -211,6 +229,9 @@ class ToolCallParser:
         while True:
             char = yield
             if char is EOF:
+                if self.named is not None and not self.calls and self._text.strip():
+                    self._send_call(self.named)  # cut before its name was read: the request names it
+                    self._open = None
                 self._release()
                 if self._space and not self._after_call:  # the answer ends in text: its trailing blanks are text
                     self._emit(self._space)
@@ -307,6 +328,8 @@ class ToolCallParser:
                 if arguments is not None:
                     self._send_call(name)
                     self._send_arguments(arguments)
+                elif self._open is None:
+                    self._pending = name
             elif key in ARGUMENT_KEYS and arguments is None and self._open is None:
                 char = yield from self._next()
                 self._unread(char)
