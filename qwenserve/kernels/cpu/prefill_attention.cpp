@@ -11,7 +11,8 @@
 // One task is one position of one kv head: its group's query heads, up to 4 at a time, over the key blocks up
 // to its own. After cached context the packing reads the cache's slots through the block table, which is the
 // gather SDPA's path copies anyway, and the chunk's queries see the cached keys and their own causally (SDPA takes
-// a materialized [n, context] mask there, at about 90 GFLOP/s on the same machine).
+// a gathered copy and a materialized [n, context] mask there): 256 rows after 1024 cached, the same heads,
+// 5.1-5.2 ms against SDPA's 10.7-13.5; a 6-row verify step after 1720, 0.37-0.41 ms against 1.1.
 
 #include <ATen/Parallel.h>
 
