@@ -257,6 +257,19 @@ def test_a_json_answer_may_start_with_blank_tokens_after_the_marker(llm):
     assert_no_leak(llm)
 
 
+def test_a_special_token_inside_the_marker_is_no_text_to_the_gate(llm):
+    """The reasoning splitter reads the detokenized text, which leaves special tokens out: `</` + <|endoftext|> +
+    `think>` is the marker to it, so the gate finds it there too and the grammar holds after it."""
+    special = llm.engine.tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    script = ids(llm, "x</") + [special] + ids(llm, "think>")
+    with scripted(script):
+        out = run(llm, temperature=0.0, max_tokens=20,
+                  structured_outputs=Constraint(regex=DIGITS, free_prefix=OPENED))[0]
+    assert out.token_ids[:len(script)] == script and out.text.startswith("x</think>"), out.text
+    assert re.fullmatch(DIGITS, out.text[len("x</think>"):]), out.text
+    assert_no_leak(llm)
+
+
 def test_the_gate_takes_a_bounded_run_of_leading_blanks():
     gate = PrefixGate(FreePrefix(end="</think>", answer_blanks=True))
     assert gate.feed(b"x</think>") == (False, b"") and gate.phase == LEADING_BLANKS

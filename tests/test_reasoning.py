@@ -271,7 +271,7 @@ def test_a_grammar_that_refuses_the_output_fails_as_the_servers_fault(served, mo
 
     from qwenserve.engine.structured_output import StructuredOutputManager
     url, _, engine = served
-    monkeypatch.setattr(StructuredOutputManager, "_through_gate", lambda self, gate, matcher, token: "refused")
+    monkeypatch.setattr(StructuredOutputManager, "_through_gate", lambda self, gate, matcher, token, skip: "refused")
     body = {"model": "qwen3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8} | JSON_SCHEMA
     r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
     error = r.json()["error"]
@@ -332,3 +332,42 @@ def test_several_choices_streamed_split_each_as_whole(served):
     assert [tuple(joined[i]) for i in (0, 1)] == [expected] * 2
     from helpers import wait_idle_and_clean
     wait_idle_and_clean(engine)
+
+
+# ---- the prompt's end: continue_final_message and echo (vLLM's chat fields) ---------------------------------------
+
+CONTINUED = [{"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": "The answer is"}]
+
+
+def test_continue_final_message_leaves_the_final_message_open(served):
+    import httpx
+    url, plain_url, engine = served
+    body = {"model": "qwen3", "messages": CONTINUED, "add_generation_prompt": False}
+    closed = engine.tokenizer.decode(httpx.post(f"{plain_url}/tokenize", json=body).json()["tokens"])
+    opened = engine.tokenizer.decode(httpx.post(f"{plain_url}/tokenize",
+                                                json=body | {"continue_final_message": True}).json()["tokens"])
+    assert closed.rstrip().endswith("The answer is<|im_end|>") and opened.endswith("The answer is"), (closed, opened)
+    assert ask(plain_url, " 4.", messages=CONTINUED,
+               extra_body={"add_generation_prompt": False, "continue_final_message": True})[1] == " 4."
+    for endpoint in ("v1/chat/completions", "tokenize"):  # both ends at once: a 400 naming the field
+        r = httpx.post(f"{plain_url}/{endpoint}", json=body | {"add_generation_prompt": True,
+                                                               "continue_final_message": True, "max_tokens": 4})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_empty_reasoning_is_none_whole_and_streamed(served, stream):
+    url, _, _ = served
+    assert ask(url, "<think></think>4", stream=stream)[:2] == (None, "4")
+    cut = len(_served_tokenizer[0].encode("<think>", add_special_tokens=False))  # max_tokens ends on the tag
+    assert ask(url, "<think>", stream=stream, max_tokens=cut)[:3] == (None, None, "length")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_echo_starts_the_content_with_the_final_assistant_message(served, stream):
+    _, plain_url, _ = served
+    continued = {"messages": CONTINUED,
+                 "extra_body": {"add_generation_prompt": False, "continue_final_message": True, "echo": True}}
+    assert ask(plain_url, " 4.", stream=stream, **continued)[1] == "The answer is 4."
+    # the final message is the user's: nothing to echo
+    assert ask(plain_url, "4.", stream=stream, extra_body={"echo": True})[1] == "4."

@@ -110,7 +110,7 @@ class StructuredOutputManager:
                 continue
             gate = self._gates.get(seq_id)
             if gate is not None and gate.phase != CONSTRAINED:
-                why = self._through_gate(gate, matcher, token)
+                why = self._through_gate(gate, matcher, token, self._seqs[seq_id].params.skip_special_tokens)
                 if why:
                     broken[seq_id] = why
                 elif gate.phase != FREE and gate.grammar_alive and matcher.is_stopped():
@@ -121,13 +121,13 @@ class StructuredOutputManager:
                 complete.add(seq_id)
         return complete, broken
 
-    def _through_gate(self, gate: PrefixGate, matcher, token: int) -> str:
+    def _through_gate(self, gate: PrefixGate, matcher, token: int, skip_special_tokens: bool) -> str:
         """A token of a sequence still in (or maybe opening) its free prefix; returns why its grammar cannot go
         on, or "". Undecided, the grammar takes the token where it allows it (validated first, so that a token
         only the opening allowed leaves the matcher as it was). Of the answer's leading blanks the grammar sees
         none: it takes the first token with other text."""
         if gate.phase == LEADING_BLANKS:
-            if gate.take_blank(self.compiler.token_bytes(token)) or matcher.consume_token(token):
+            if gate.take_blank(self.compiler.text_bytes(token, skip_special_tokens)) or matcher.consume_token(token):
                 return ""
             return matcher.get_error() or f"token {token} is not allowed by the grammar"
         if gate.phase == UNDECIDED:
@@ -135,7 +135,7 @@ class StructuredOutputManager:
                 matcher.consume_token(token)
             else:
                 gate.grammar_alive = False
-        opened, after = gate.feed(self.compiler.token_bytes(token))
+        opened, after = gate.feed(self.compiler.text_bytes(token, skip_special_tokens))
         if opened:
             matcher.reset()  # the answer comes after the free text: the grammar starts from its start
         if gate.phase == CONSTRAINED and not opened and after is None and not gate.grammar_alive:

@@ -20,7 +20,8 @@ A gate follows one sequence's tokens, as bytes, through these phases:
   grammar's, and so is everything after the limit.
 - constrained: the grammar alone, as for a constraint without a free prefix.
 
-Undecided text is decoded as the detokenizer decodes it (a cut UTF-8 character waits for its end), so a gate
+Undecided text is decoded as the detokenizer decodes it (a cut UTF-8 character waits for its end), and a special
+token the detokenizer leaves out is no text here either (the manager feeds GrammarCompiler.text_bytes), so a gate
 decides where the server's reasoning splitter does. No llguidance here: the engine's manager drives the matcher."""
 from __future__ import annotations
 

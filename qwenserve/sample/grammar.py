@@ -90,6 +90,9 @@ class GrammarCompiler:
         self._hf_tokenizer = tokenizer
         self.vocab_size = max(vocab_size, len(tokenizer))
         self._eos_token_ids = sorted(set(eos_token_ids) | end_of_turn_ids(tokenizer))
+        # the tokens the detokenizer leaves out of the text (added tokens marked special)
+        self._special_ids = frozenset(i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()
+                                      if getattr(t, "special", False))
         self._ll_tokenizer = None
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="qwenserve-grammar")
         self._cache: OrderedDict[tuple[str, str], concurrent.futures.Future] = OrderedDict()
@@ -158,6 +161,12 @@ class GrammarCompiler:
         """A token's bytes as the grammar sees them (a special token's are its text); only once a grammar has
         been compiled."""
         return self._ll_tokenizer.decode_bytes([token_id])
+
+    def text_bytes(self, token_id: int, skip_special_tokens: bool) -> bytes:
+        """A token's bytes as the answer's text holds them: none for a special token where the detokenizer leaves
+        those out (the request's skip_special_tokens), so that a free prefix's gate finds its end marker where the
+        server's reasoning splitter does."""
+        return b"" if skip_special_tokens and token_id in self._special_ids else self.token_bytes(token_id)
 
     def tokenize_bytes(self, data: bytes) -> list[int]:
         """Tokens of the bytes, for the grammar to take text the model wrote inside another token."""

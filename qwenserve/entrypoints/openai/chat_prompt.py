@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from qwenserve.config.errors import RequestError
 from qwenserve.entrypoints.chat_content import MediaPart, load_media, media_placeholders, split_content
 from qwenserve.entrypoints.media import MediaConnector
+from qwenserve.entrypoints.openai.protocol import check_template_ending
 from qwenserve.entrypoints.openai.serving_engine import APIError, chat_text
 
 
@@ -30,18 +31,20 @@ class ChatPromptRenderer:
         self.media = MediaConnector.from_config(engine.multimodal)
 
     async def render(self, messages: list, add_generation_prompt: bool, tools: list[dict] | None = None,
-                     template_kwargs: dict | None = None) -> ChatPrompt:
+                     template_kwargs: dict | None = None, continue_final_message: bool = False) -> ChatPrompt:
         """messages: ChatMessages. Their media are fetched and preprocessed in a thread (a remote URL takes up to
         --media-fetch-timeout, a video's resize a while; the event loop and the engine's thread serve others
-        meanwhile)."""
+        meanwhile). continue_final_message: the final message is left open for the answer to continue."""
         try:
+            check_template_ending(add_generation_prompt, continue_final_message)
             split, parts = split_content([{"content": m.content} for m in messages], self.placeholders,
                                          self.engine.multimodal.limit_mm_per_prompt)
             messages = [m.model_copy(update={"content": s["content"]}) for m, s in zip(messages, split)]
             media = await asyncio.to_thread(self._load_and_preprocess, parts) if parts else {}
         except RequestError as e:
             raise APIError(400, str(e), param=e.param) from e
-        text = chat_text(self.tokenizer, messages, add_generation_prompt, tools, template_kwargs)
+        text = chat_text(self.tokenizer, messages, add_generation_prompt, tools, template_kwargs,
+                         continue_final_message)
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         return ChatPrompt({"prompt_token_ids": ids} | ({"multi_modal_data": media} if media else {}), parts, text)
 

@@ -193,6 +193,10 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # vLLM's: the final message is left open for the answer to continue (add_generation_prompt false)
+    continue_final_message: bool = False
+    # vLLM's: the answer's content starts with the final message's where that is the assistant's
+    echo: bool = False
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -202,6 +206,12 @@ class ChatCompletionRequest(_SamplingFields):
     @classmethod
     def _template_kwargs(cls, value):
         return check_template_kwargs(value)
+
+    @property
+    def echoed(self) -> str:
+        """What echo puts before the answer's content: the final message's text where it is the assistant's."""
+        last = self.messages[-1]
+        return last.text() or "" if self.echo and last.role == "assistant" else ""
 
     @property
     def tools_in_use(self) -> list[dict] | None:
@@ -257,6 +267,14 @@ _TEMPLATE_ARGUMENTS = ("conversation", "messages", "tools", "documents", "chat_t
 _TEMPLATE_SWITCHES = ("enable_thinking",)
 
 
+def check_template_ending(add_generation_prompt: bool, continue_final_message: bool) -> None:
+    """The prompt ends either by opening the assistant's turn or by leaving the final message open, not both."""
+    if add_generation_prompt and continue_final_message:
+        raise RequestError("continue_final_message and add_generation_prompt cannot both be true: set "
+                           "add_generation_prompt to false to continue the final message",
+                           param="continue_final_message")
+
+
 def check_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
     """chat_template_kwargs: more variables for the chat template (Qwen3's enable_thinking), none of them one the
     server sets itself."""
@@ -279,6 +297,7 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = False
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # as ChatCompletionRequest's
     chat_template_kwargs: dict[str, Any] | None = None
 
     @field_validator("chat_template_kwargs")

@@ -38,7 +38,8 @@ class OpenAIServingChat(OpenAIServing):
         tool_names = {tool["function"]["name"] for tool in tools or ()}
         named = body.tool_choice.function.name if isinstance(body.tool_choice, NamedToolChoice) else None
         forced = body.forces_tool_calls
-        chat = await self.renderer.render(body.messages, body.add_generation_prompt, tools, body.chat_template_kwargs)
+        chat = await self.renderer.render(body.messages, body.add_generation_prompt, tools, body.chat_template_kwargs,
+                                          body.continue_final_message)
         if self.reasoning_parser and params.structured_outputs is not None:  # constrained after the reasoning
             prefix = constraint_prefix(self.reasoning_parser, chat.text)
             if prefix is not None and (body.forces_tool_calls or params.structured_outputs.kind in ANSWER_BLANKS):
@@ -53,7 +54,7 @@ class OpenAIServingChat(OpenAIServing):
             raise name_the_part(e, chat.parts) from e
         top_k = params.logprobs or 0
         if body.stream:
-            first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            first = [{"index": i, "delta": {"role": "assistant", "content": body.echoed}, "logprobs": None,
                       "finish_reason": None} for i in range(params.n)]
             header = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
             return self._stream(request, header, admitted, body,
@@ -75,7 +76,10 @@ class OpenAIServingChat(OpenAIServing):
                 elif forced:  # cut before a call was certain: its markup is no text either
                     message = {"role": "assistant", "content": content}
             if reasoning is not None:  # as vLLM: an answer that is all reasoning has no content
-                message = {**message, "reasoning_content": reasoning, "content": message["content"] or None}
+                # empty reasoning is none, as the stream (which sends no empty delta) gives it
+                message = {**message, "reasoning_content": reasoning or None, "content": message["content"] or None}
+            if body.echoed:
+                message = {**message, "content": body.echoed + (message["content"] or "")}
             choices.append({"index": c.index, "message": message, "logprobs": self._logprobs(c, top_k),
                             "finish_reason": finish_reason, "stop_reason": c.stop_reason})
         return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,

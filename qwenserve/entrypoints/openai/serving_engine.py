@@ -78,12 +78,13 @@ def record_usage(request: Request, body: dict) -> None:
 
 
 def chat_text(tokenizer, messages, add_generation_prompt: bool, tools: list[dict] | None = None,
-              template_kwargs: dict | None = None) -> str:
+              template_kwargs: dict | None = None, continue_final_message: bool = False) -> str:
     """The prompt of a conversation (with the tools shown, if any); one the chat template cannot render is the
     messages' fault, or chat_template_kwargs' where the request gave some."""
     plain = [_template_message(i, m) for i, m in enumerate(messages)]
     try:
-        return chat_prompt_text(tokenizer, plain, add_generation_prompt, tools, template_kwargs)
+        return chat_prompt_text(tokenizer, plain, add_generation_prompt, tools, template_kwargs,
+                                continue_final_message)
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from e
     except Exception as e:  # jinja2's errors for a template variable the request set to something it cannot use

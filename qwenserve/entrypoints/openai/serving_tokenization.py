@@ -19,7 +19,8 @@ class OpenAIServingTokenization:
         if body.messages is not None:
             # media are fetched and preprocessed as for chat: an image's count of tokens depends on its size
             chat = await self.renderer.render(body.messages, body.add_generation_prompt,
-                                              template_kwargs=body.chat_template_kwargs)
+                                              template_kwargs=body.chat_template_kwargs,
+                                              continue_final_message=body.continue_final_message)
             ids = self.renderer.engine_ids(chat)
         elif body.prompt is not None:
             ids = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)

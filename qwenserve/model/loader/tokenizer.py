@@ -68,13 +68,16 @@ def tokenizer_from_gguf(metadata: dict):
 
 
 def chat_prompt_text(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-                     tools: list[dict] | None = None, template_kwargs: dict | None = None) -> str:
+                     tools: list[dict] | None = None, template_kwargs: dict | None = None,
+                     continue_final_message: bool = False) -> str:
     """A conversation rendered with the checkpoint's chat template (showing tools, if any); template_kwargs are
-    more variables for the template (Qwen3's enable_thinking)."""
+    more variables for the template (Qwen3's enable_thinking); continue_final_message leaves the final message
+    open (the text ends where its content does) for the answer to continue."""
     if not tokenizer.chat_template:
         raise ValueError("this checkpoint has no chat template, so chat messages cannot be formatted")
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                         tools=tools, **(template_kwargs or {}))
+                                         tools=tools, continue_final_message=continue_final_message,
+                                         **(template_kwargs or {}))
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
