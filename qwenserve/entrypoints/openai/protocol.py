@@ -211,7 +211,7 @@ class ChatCompletionRequest(_SamplingFields):
     def echoed(self) -> str:
         """What echo puts before the answer's content: the final message's text where it is the assistant's."""
         last = self.messages[-1]
-        return last.text() or "" if self.echo and last.role == "assistant" else ""
+        return (last.text() or "") if self.echo and last.role == "assistant" else ""
 
     @property
     def tools_in_use(self) -> list[dict] | None:
