@@ -8,9 +8,10 @@ sequence is recomputed from them), so recompute cannot corrupt it.
 A constraint with a free prefix (a thinking model's reasoning) starts after it: each of its sequences has a gate
 (sample/free_prefix.py) that follows its tokens; while the prefix lasts, the sequence's row is left out of the
 bitmask (or, while it is undecided whether the output opens the prefix, the grammar's row is widened by the
-tokens that may open it; while the answer after it may still start with blanks, by the blank-only tokens). The gate, like the matcher, moves only forward with the sequence's tokens, so
-preemption leaves it as it was; constrained sequences never speculate (core/speculation.py), so no token is
-ever taken back; each of n samples has its own.
+tokens that may open it; while the answer after it may still start with blanks, by the blank-only tokens). The
+gate, like the matcher, moves only forward with the sequence's tokens, so preemption leaves it as it was;
+constrained sequences never speculate (core/speculation.py), so no token is ever taken back; each of n samples
+has its own.
 
 A sequence ends ("stop") as soon as its grammar is complete. A request whose grammar fails to compile fails with
 an error naming its constraint; one whose matcher rejects a token fails too (the engine's failure: the mask
