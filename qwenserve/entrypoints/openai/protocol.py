@@ -74,6 +74,11 @@ class _SamplingFields(BaseModel):
                     STRUCTURED_OUTPUTS)
 
     @property
+    def named_tool(self) -> str | None:
+        """The function a named tool_choice names, or None."""
+        return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+
+    @property
     def forces_tool_calls(self) -> bool:
         return False  # only chat requests take tools
 
@@ -221,6 +226,11 @@ class ChatCompletionRequest(_SamplingFields):
         return [tool.model_dump(exclude_none=True) for tool in self.tools]
 
     @property
+    def named_tool(self) -> str | None:
+        """The function a named tool_choice names, or None."""
+        return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+
+    @property
     def forces_tool_calls(self) -> bool:
         """tool_choice is "required" or names a function: the answer is held to a grammar of calls."""
         return bool(self.tools) and (self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice))
@@ -235,7 +245,7 @@ class ChatCompletionRequest(_SamplingFields):
         names = [tool.function.name for tool in self.tools]
         if len(set(names)) < len(names):
             raise RequestError(f"tools has functions of the same name: {sorted(names)}", param="tools")
-        only = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+        only = self.named_tool
         if only is not None and only not in names:
             raise RequestError(f"tool_choice names the function {only!r}, which is not among the tools "
                                f"({', '.join(names)})", param="tool_choice")

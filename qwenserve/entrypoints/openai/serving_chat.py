@@ -11,7 +11,7 @@ from fastapi import Request
 
 from qwenserve.engine.outputs import RequestOutput
 from qwenserve.entrypoints.openai.chat_prompt import ChatPromptRenderer, name_the_part
-from qwenserve.entrypoints.openai.protocol import ChatCompletionRequest, NamedToolChoice
+from qwenserve.entrypoints.openai.protocol import ChatCompletionRequest
 from qwenserve.entrypoints.openai.reasoning import ReasoningSplitter, constraint_prefix
 from qwenserve.entrypoints.openai.serving_engine import APIError, OpenAIServing, engine_ids_prefix, request_id, usage
 from qwenserve.entrypoints.openai.tool_calls import ToolCallParser, parse_tool_calls, tag_token_ids
@@ -36,13 +36,12 @@ class OpenAIServingChat(OpenAIServing):
         params = self._params(body, tool_tag_ids=self.tool_tag_ids)
         tools = body.tools_in_use
         tool_names = {tool["function"]["name"] for tool in tools or ()}
-        named = body.tool_choice.function.name if isinstance(body.tool_choice, NamedToolChoice) else None
-        forced = body.forces_tool_calls
+        named, forced = body.named_tool, body.forces_tool_calls
         chat = await self.renderer.render(body.messages, body.add_generation_prompt, tools, body.chat_template_kwargs,
                                           body.continue_final_message)
         if self.reasoning_parser and params.structured_outputs is not None:  # constrained after the reasoning
             prefix = constraint_prefix(self.reasoning_parser, chat.text)
-            if prefix is not None and (body.forces_tool_calls or params.structured_outputs.kind in ANSWER_BLANKS):
+            if prefix is not None and (forced or params.structured_outputs.kind in ANSWER_BLANKS):
                 prefix = dataclasses.replace(prefix, answer_blanks=True)  # Qwen3's blank line after </think>
             params.structured_outputs = dataclasses.replace(params.structured_outputs, free_prefix=prefix)
         rid = f"chatcmpl-{request_id(request)}"
