@@ -257,6 +257,25 @@ def test_a_json_answer_may_start_with_blank_tokens_after_the_marker(llm):
     assert_no_leak(llm)
 
 
+def test_sampled_answers_take_at_most_the_bound_of_leading_blanks(llm):
+    """n=4 samples at temperature 1 after a scripted marker, under a short schema: each answer is JSON of the schema
+    after at most MAX_LEADING_BLANK_TOKENS blank-only tokens, whatever the model samples."""
+    schema = Constraint(json={"type": "object", "properties": {"a": {"enum": [1, 2, 3]}}, "required": ["a"],
+                              "additionalProperties": False},
+                        free_prefix=FreePrefix(end="</think>", answer_blanks=True))
+    script = ids(llm, "ok</think>")
+    with scripted(script):
+        outs = run(llm, n=4, temperature=1.0, seed=11, max_tokens=40, structured_outputs=schema)
+    tokenizer = llm.engine.tokenizer
+    for out in outs:
+        assert out.token_ids[:len(script)] == script and out.finish_reason == "stop", out.text
+        answer = out.token_ids[len(script):]
+        blanks = next(i for i, t in enumerate(answer) if tokenizer.decode([t]).strip(BLANKS))
+        assert blanks <= MAX_LEADING_BLANK_TOKENS, out.text
+        assert json.loads(out.text[len("ok</think>"):])["a"] in (1, 2, 3), out.text
+    assert_no_leak(llm)
+
+
 def test_a_special_token_inside_the_marker_is_no_text_to_the_gate(llm):
     """The reasoning splitter reads the detokenized text, which leaves special tokens out: `</` + <|endoftext|> +
     `think>` is the marker to it, so the gate finds it there too and the grammar holds after it."""
