@@ -339,12 +339,9 @@ def test_every_variant_computes_what_the_baseline_does(ops, baseline_ops):
 
 
 def test_the_tile_kernels_are_built_where_the_variant_has_them(ops, variant):
-    """ggml_mm's tile kernels (many activation rows) are compiled in exactly in the x86 variants with AVX2: the
-    AVX512-VNNI one for every type ggml_mm runs, the 256-bit one for every type but Q8_0, which takes it only with
-    256-bit VNNI (its two nibble products per quad cost more than the decode kernel's sign trick saves)."""
-    vnni512 = {"avx512f", "avx512bw", "avx512_vnni"} <= variant.needs
-    vnni256 = vnni512 or "avx_vnni" in variant.needs
-    want = [vnni512 or ("avx2" in variant.needs and (t != Q.Q8_0 or vnni256)) for t in TYPES]
+    """ggml_mm's tile kernels (many activation rows) are compiled in exactly in the x86 variants with AVX2 (the
+    AVX512-VNNI ones, or the 256-bit ones), for every type ggml_mm runs."""
+    want = ["avx2" in variant.needs] * len(TYPES)
     assert [ops.ggml_mm_tiles(int(t)) for t in TYPES] == want
     assert not ops.ggml_mm_tiles(int(Q.Q2_K))
 

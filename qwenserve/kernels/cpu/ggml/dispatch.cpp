@@ -18,7 +18,8 @@
 // from kAmxBf16MinRows rows to bf16 ones on weights decoded to bf16, the activations unquantized (mm_amx_bf16).
 // On AVX2 without AVX512-VNNI the same from kAvx2TileMinRows activation rows in 256-bit vectors: a group of 8
 // weight rows decoded once per call, one row per int32 lane, swept by all activation rows 8 at a time
-// (mm_avx2_tiles: maddubs + madd with int16 sums kept exact, or vpdpbusd where the build has 256-bit VNNI). On
+// (mm_avx2_tiles: maddubs + madd with int16 sums kept exact, Q8_0 by the sign trick and from 16 rows, or vpdpbusd
+// where the build has 256-bit VNNI). On
 // ARM with i8mm the same from 4 activation rows: a group of 8 weight rows decoded once per call into smmla's
 // operands and swept by the activation rows two at a time (arch/arm/i8mm.h).
 //
@@ -179,22 +180,15 @@ void ggml_mm(at::Tensor& out, const at::Tensor& x, const at::Tensor& raw, int64_
   });
 }
 
-// Whether the AVX512-VNNI tile kernels run this type: the layers then leave the dense route to the tuning table's
-// tile thresholds (docs/tuning.md, "Tiles"). The AVX2 tile kernels do not count: whether they beat the dense route
-// of CPUs without native bf16 is unmeasured, so there the dense route keeps its own thresholds.
+// Whether the int8 tile kernels (AVX512-VNNI, or AVX2's 256-bit ones) run this type: the layers then leave the
+// dense route to the tuning table's tile thresholds (docs/tuning.md, "Tiles").
 bool ggml_mm_tiles(int64_t ggml_type) {
   using namespace ggml;
   switch (ggml_type) {
 #if QS_X86_AVX512_VNNI
     case kQ4_0: case kQ4_1: case kQ5_0: case kQ8_0: case kQ4_K: case kQ5_K: case kQ6_K: return true;
 #elif QS_X86_AVX2
-    case kQ4_0: return x86::kAvx2Tiles<LegacyUnsigned<kQ4_0>>;
-    case kQ4_1: return x86::kAvx2Tiles<LegacyUnsigned<kQ4_1>>;
-    case kQ5_0: return x86::kAvx2Tiles<LegacyUnsigned<kQ5_0>>;
-    case kQ8_0: return x86::kAvx2Tiles<Q8_0Kernel>;
-    case kQ4_K: return x86::kAvx2Tiles<KQuant45<kQ4_K>>;
-    case kQ5_K: return x86::kAvx2Tiles<KQuant45<kQ5_K>>;
-    case kQ6_K: return x86::kAvx2Tiles<Q6_KKernel>;
+    case kQ4_0: case kQ4_1: case kQ5_0: case kQ8_0: case kQ4_K: case kQ5_K: case kQ6_K: return true;
 #endif
     default: return false;
   }

@@ -147,7 +147,8 @@ void decode_groups(T* out, int64_t ldo, int64_t levels, const typename Kernel::A
 #endif
 
 // Activation rows below which every build's mm_quantized runs the decode-group kernels on weights in the decode
-// layout, where the build has them (the tile kernels start from 4 rows on VNNI and ARM, 6 on AVX2)
+// layout, where the build has them (the tile kernels start from 4 rows on VNNI and ARM, 6 on AVX2, Q8_0's there
+// 16 without 256-bit VNNI)
 constexpr int64_t kDecodeGroupRows = 4;
 #if QS_X86_AMX_BUILD
 static_assert(x86::kAmxMinRows >= kDecodeGroupRows);
@@ -205,11 +206,9 @@ void mm_quantized(T* out, int64_t ldo, int64_t levels, const std::vector<typenam
     }
   }
 #elif QS_X86_AVX2
-  if constexpr (x86::kAvx2Tiles<Kernel>) {
-    if (w.group == kDecodeGroup && M >= x86::kAvx2TileMinRows) {
-      x86::mm_avx2_tiles<Kernel>(out, ldo, levels, act.data(), M, nb, w, N, bias);
-      return;
-    }
+  if (w.group == kDecodeGroup && M >= x86::kAvx2TileMinRowsFor<Kernel>) {
+    x86::mm_avx2_tiles<Kernel>(out, ldo, levels, act.data(), M, nb, w, N, bias);
+    return;
   }
 #elif QS_ARM_I8MM
   if (w.group == kDecodeGroup && M >= arm::kTileMinRows) {

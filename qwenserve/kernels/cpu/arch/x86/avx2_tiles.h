@@ -37,9 +37,8 @@ namespace qwenserve::cpu::ggml::x86 {
 constexpr int64_t kAvx2TileMinRows = 6;
 constexpr int kAvx2TileRows = 8;  // activation rows per pass over a decoded group
 
-// The largest unsigned code the sweeps meet per kernel type. Q8_0's signed codes are moved up by 128 and, without
-// vpdpbusd, split into their two nibbles (each <= 15): q + 128 = 16 hi + lo, exact for every activation code
-// (the sign trick of avx2.h's dot_u8s8 is not: -128 x -128 would wrap).
+// The largest unsigned code the sweeps meet per kernel type. Q8_0's signed codes are moved up by 128 with vpdpbusd;
+// without it they take the sign trick instead (below).
 template <typename Kernel>
 constexpr int kMaxCode = 15;
 template <>
@@ -55,18 +54,25 @@ constexpr int kInt16Quads = 32767 / (2 * 128 * kMaxCode<Kernel>);
 static_assert(kInt16Quads<LegacyUnsigned<kQ4_0>> == 8 && kInt16Quads<KQuant45<kQ5_K>> == 4 &&
               kInt16Quads<Q6_KKernel> == 2);
 
-// Whether the tiles run a kernel type: without vpdpbusd, Q8_0's two nibble products per quad cost more than dot8's
-// sign trick saves by decoding once, so Q8_0 stays on dot8 there
-template <typename Kernel>
-constexpr bool kAvx2Tiles = QS_AVX2_TILES_DPBUSD || !std::is_same_v<Kernel, Q8_0Kernel>;
+// Q8_0 without vpdpbusd: the sign trick, as avx2.h's dot_u8s8 (|q| the unsigned operand, q's signs moved onto
+// the broadcast activation quad). It is exact because q8_0 activation codes lie in [-127, 127] (d = amax / 127),
+// so no sign flip wraps, and a pair sum is at most 2 x 128 x 127 in magnitude, within int16.
+constexpr bool kAvx2Q8SignTrick = !QS_AVX2_TILES_DPBUSD;
 
-// The offset the codes carry (Q4_0 8, Q5_0 16, Q8_0's 128), taken off through the activation block's sum
+// Q8_0 under the sign trick decodes no cheaper than dot8 reads it, so the tiles pay only once enough rows share
+// each decoded group (docs/performance.md, Q8_0 on the AVX2 tiles)
+template <typename Kernel>
+constexpr int64_t kAvx2TileMinRowsFor =
+    std::is_same_v<Kernel, Q8_0Kernel> && kAvx2Q8SignTrick ? 16 : kAvx2TileMinRows;
+
+// The offset the codes carry (Q4_0 8, Q5_0 16, Q8_0's 128 under vpdpbusd), taken off through the activation block's
+// sum
 template <typename Kernel>
 constexpr int32_t kAvx2TileOffset = 0;
 template <int64_t Type>
 constexpr int32_t kAvx2TileOffset<LegacyUnsigned<Type>> = LegacyUnsigned<Type>::kOff;
 template <>
-constexpr int32_t kAvx2TileOffset<Q8_0Kernel> = 128;
+constexpr int32_t kAvx2TileOffset<Q8_0Kernel> = kAvx2Q8SignTrick ? 0 : 128;
 
 // the 4 bytes at p in every int32 lane: an activation quad, or a pair of int16 sums
 inline __m256i broadcast_quad(const void* p) {
@@ -130,8 +136,8 @@ inline void transpose_8x8(const __m256i* rows, __m256i* out) {
 
 template <typename Kernel>
 struct Avx2TileBlock {
-  // Q8_0 without vpdpbusd: vectors 0-7 the low nibbles of q + 128, 8-15 the high ones
-  static constexpr int kVectors = std::is_same_v<Kernel, Q8_0Kernel> && !QS_AVX2_TILES_DPBUSD ? 16 : 8;
+  // Q8_0 under the sign trick: vectors 0-7 |q|, 8-15 q
+  static constexpr int kVectors = std::is_same_v<Kernel, Q8_0Kernel> && kAvx2Q8SignTrick ? 16 : 8;
   __m256i codes[kVectors];  // vector q: lane r = row r's codes 4q..4q+3
   __m256 scale;             // lane r: row r's d
   __m256 min;               // Q4_1: lane r: row r's m
@@ -143,12 +149,12 @@ inline void decode_avx2_tile(const uint8_t* blk, Avx2TileBlock<Kernel>& t) {
   for (int r = 0; r < 8; ++r) {
     const uint8_t* rb = blk + r * Kernel::kBytes;
     if constexpr (std::is_same_v<Kernel, Q8_0Kernel>) {
-      const __m256i u = _mm256_xor_si256(load32(rb + 2), _mm256_set1_epi8(-128));  // q + 128, unsigned
-      if constexpr (Avx2TileBlock<Kernel>::kVectors == 16) {
-        rows[r] = _mm256_and_si256(u, _mm256_set1_epi8(0x0F));
-        high[r] = _mm256_and_si256(_mm256_srli_epi16(u, 4), _mm256_set1_epi8(0x0F));
+      const __m256i q = load32(rb + 2);
+      if constexpr (kAvx2Q8SignTrick) {
+        rows[r] = _mm256_abs_epi8(q);  // -128 becomes 0x80: 128 as the unsigned operand
+        high[r] = q;
       } else {
-        rows[r] = u;
+        rows[r] = _mm256_xor_si256(q, _mm256_set1_epi8(-128));  // q + 128, unsigned
       }
     } else {
       rows[r] = Avx2Kernel<Kernel>::decode(rb).q;
@@ -168,14 +174,28 @@ std::enable_if_t<Kernel::kBlock == 32> avx2_tile_rows(TileOf tile_of, int64_t nb
   for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const Avx2TileBlock<Kernel>& t = tile_of(b);
+    if constexpr (Avx2TileBlock<Kernel>::kVectors == 16) {
+      // quad by quad, so that each code vector is loaded once for all R rows (the loads, not the arithmetic,
+      // bound a row-by-row loop here: 16 code vectors do not stay in AVX2's 16 registers)
+      const __m256i ones = _mm256_set1_epi16(1);
+      __m256i s[R];
+      for (int i = 0; i < R; ++i) s[i] = _mm256_setzero_si256();
+      for (int q = 0; q < 8; ++q) {
+        const __m256i mag = t.codes[q], sign = t.codes[8 + q];
+        for (int i = 0; i < R; ++i) {
+          const __m256i a = _mm256_sign_epi8(broadcast_quad(act[i * nb + b].qs + 4 * q), sign);
+          s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, a), ones));
+        }
+      }
+      for (int i = 0; i < R; ++i)
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i]), _mm256_mul_ps(t.scale, _mm256_set1_ps(act[i * nb + b].d)),
+                                 acc[i]);
+      continue;
+    }
     for (int i = 0; i < R; ++i) {
       const ActQ8_0& a = act[i * nb + b];
-      __m256i s = _mm256_add_epi32(_mm256_set1_epi32(-kAvx2TileOffset<Kernel> * a.sum),
-                                   dot_quads<Kernel, 8>(t.codes, a.qs, nullptr));
-      if constexpr (Avx2TileBlock<Kernel>::kVectors == 16) {
-        const __m256i sixteen = _mm256_set1_epi16(16);
-        s = _mm256_add_epi32(s, dot_quads<Kernel, 8>(t.codes + 8, a.qs, &sixteen));
-      }
+      const __m256i s = _mm256_add_epi32(_mm256_set1_epi32(-kAvx2TileOffset<Kernel> * a.sum),
+                                         dot_quads<Kernel, 8>(t.codes, a.qs, nullptr));
       acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(t.scale, _mm256_set1_ps(a.d)), acc[i]);
       if constexpr (Kernel::kHasMinTerm)
         acc[i] = _mm256_fmadd_ps(t.min, _mm256_set1_ps(a.d * static_cast<float>(a.sum)), acc[i]);
