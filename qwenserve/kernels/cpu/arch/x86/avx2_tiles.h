@@ -149,12 +149,12 @@ inline void decode_avx2_tile(const uint8_t* blk, Avx2TileBlock<Kernel>& t) {
   for (int r = 0; r < 8; ++r) {
     const uint8_t* rb = blk + r * Kernel::kBytes;
     if constexpr (std::is_same_v<Kernel, Q8_0Kernel>) {
-      const __m256i q = load32(rb + 2);
+      const typename Avx2Kernel<Kernel>::Codes c = Avx2Kernel<Kernel>::decode(rb);
       if constexpr (kAvx2Q8SignTrick) {
-        rows[r] = _mm256_abs_epi8(q);  // -128 becomes 0x80: 128 as the unsigned operand
-        high[r] = q;
+        rows[r] = c.abs_q;
+        high[r] = c.q;
       } else {
-        rows[r] = _mm256_xor_si256(q, _mm256_set1_epi8(-128));  // q + 128, unsigned
+        rows[r] = _mm256_xor_si256(c.q, _mm256_set1_epi8(-128));  // q + 128, unsigned
       }
     } else {
       rows[r] = Avx2Kernel<Kernel>::decode(rb).q;
@@ -177,15 +177,13 @@ std::enable_if_t<Kernel::kBlock == 32> avx2_tile_rows(TileOf tile_of, int64_t nb
     if constexpr (Avx2TileBlock<Kernel>::kVectors == 16) {
       // quad by quad, so that each code vector is loaded once for all R rows (the loads, not the arithmetic,
       // bound a row-by-row loop here: 16 code vectors do not stay in AVX2's 16 registers)
-      const __m256i ones = _mm256_set1_epi16(1);
       __m256i s[R];
       for (int i = 0; i < R; ++i) s[i] = _mm256_setzero_si256();
       for (int q = 0; q < 8; ++q) {
         const __m256i mag = t.codes[q], sign = t.codes[8 + q];
-        for (int i = 0; i < R; ++i) {
-          const __m256i a = _mm256_sign_epi8(broadcast_quad(act[i * nb + b].qs + 4 * q), sign);
-          s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, a), ones));
-        }
+        for (int i = 0; i < R; ++i)
+          s[i] = _mm256_add_epi32(
+              s[i], dot_u8s8(mag, _mm256_sign_epi8(broadcast_quad(act[i * nb + b].qs + 4 * q), sign)));
       }
       for (int i = 0; i < R; ++i)
         acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i]), _mm256_mul_ps(t.scale, _mm256_set1_ps(act[i * nb + b].d)),
