@@ -47,6 +47,11 @@ def test_constraint_prefix_follows_the_prompt():
     assert constraint_prefix("qwen3", THINKING_ON + "<think>\n\n</think>\n\n") is None  # thinking off
     asked = THINKING_ON.replace("hi", "what does <think> do?")  # the user's tag is text: the answer may open one
     assert constraint_prefix("qwen3", asked) == MAY_OPEN
+    # continue_final_message: the final assistant message decides where the answer goes on
+    assert constraint_prefix("qwen3", THINKING_ON + "<think>\nLet me") == OPENED
+    assert constraint_prefix("qwen3", THINKING_ON + "<think>\nplan</think>\n\n") is None
+    assert constraint_prefix("qwen3", THINKING_ON + "The answer is") is None
+    assert constraint_prefix("qwen3", THINKING_ON + "\n") == MAY_OPEN
 
 
 def gate_run(prefix: FreePrefix, pieces: list[bytes]):
@@ -74,7 +79,7 @@ PIECES = st.lists(st.sampled_from(["<think>", "</think>", "<", "</", "think", ">
 
 @settings(max_examples=300, deadline=None)
 @given(pieces=PIECES, cuts=st.lists(st.integers(0, 80), max_size=8),
-       prompt=st.sampled_from([THINKING_ON, THINKING_ON + "<think>\n"]))
+       prompt=st.sampled_from([THINKING_ON, THINKING_ON + "<think>\n", THINKING_ON + "<think>\nLet me"]))
 def test_the_gate_splits_where_the_reasoning_splitter_does(pieces, cuts, prompt):
     """Fed the answer's bytes in any cuts (a character or a tag cut in two included), the constraint starts where
     the splitter's content starts: after the reasoning, or at the answer's start if it has none; blanks that come

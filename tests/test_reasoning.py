@@ -12,6 +12,7 @@ from qwenserve.entrypoints.openai.reasoning import ReasoningSplitter, check_reas
 THINKING_ON = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 THINKING_OFF = THINKING_ON + "<think>\n\n</think>\n\n"
 THINKING_OPENED = THINKING_ON + "<think>\n"  # Qwen3-Thinking-2507's template
+CONTINUED_IN_THINK = THINKING_ON + "<think>\nLet me"  # continue_final_message, the message cut in its reasoning
 
 
 @pytest.mark.parametrize("prompt, answer, reasoning, content", [
@@ -28,18 +29,30 @@ THINKING_OPENED = THINKING_ON + "<think>\n"  # Qwen3-Thinking-2507's template
     (THINKING_ON, "<thin", None, "<thin"),
     (THINKING_ON, "", None, ""),
     (THINKING_ON, "<think>a</thi", "a</thi", ""),
+    # continue_final_message: the answer goes on where the final assistant message stopped
+    (CONTINUED_IN_THINK, " add.</think>\n\n4", " add.", "\n\n4"),
+    (CONTINUED_IN_THINK, " think on", " think on", ""),
+    (THINKING_ON + "<think>\nplan</think>\n\nThe answer is", " 4", None, " 4"),
+    (THINKING_ON + "The answer is", " <think>x</think>", None, " <think>x</think>"),
+    (THINKING_ON + " \n", "<think>a</think>b", "a", "b"),
+    (THINKING_ON + "<thi", "nk>a</think>b", None, "nk>a</think>b"),
+    (CONTINUED_IN_THINK + "</thi", "nk>b", "nk>b", ""),
+    # an earlier assistant turn's open think block is closed by its turn's end: this turn starts fresh
+    ("<|im_start|>assistant\n<think>\nx<|im_end|>\n" + THINKING_ON, "<think>a</think>b", "a", "b"),
+    ("<|im_start|>assistant\n<think>\nx<|im_end|>\n" + THINKING_ON, "a</think>b", None, "a</think>b"),
+    ("raw text <think>\n", "a</think>b", "a", "b"),  # no assistant turn: the tail alone opens
 ])
 def test_whole_answers(prompt, answer, reasoning, content):
     assert ReasoningSplitter("qwen3", prompt).split_whole(answer) == (reasoning, content)
 
 
 def test_prompt_state_and_parser_names():
-    assert thinking_open(THINKING_OPENED, "<think>")
-    assert not thinking_open(THINKING_OFF, "<think>") and not thinking_open(THINKING_ON, "<think>")
+    assert thinking_open("qwen3", THINKING_OPENED)
+    assert not thinking_open("qwen3", THINKING_OFF) and not thinking_open("qwen3", THINKING_ON)
     # a start tag the user (or a tool's description, or an earlier turn) wrote is text: only the tail decides
     for written in ("What does <think> do?", "<think>", "<think>cut off"):
         prompt = THINKING_ON.replace("hi", written)
-        assert not thinking_open(prompt, "<think>")
+        assert not thinking_open("qwen3", prompt)
         assert ReasoningSplitter("qwen3", prompt).split_whole("plain") == (None, "plain")
     with pytest.raises(ConfigError, match="reasoning_parser 'nope' is not one of deepseek_r1, qwen3"):
         check_reasoning_parser("nope")
@@ -51,7 +64,7 @@ PIECES = st.lists(st.sampled_from(["<think>", "</think>", "<", "</", "think", ">
 
 @settings(max_examples=300, deadline=None)
 @given(pieces=PIECES, cuts=st.lists(st.integers(0, 80), max_size=6),
-       prompt=st.sampled_from([THINKING_ON, THINKING_OFF, THINKING_OPENED]))
+       prompt=st.sampled_from([THINKING_ON, THINKING_OFF, THINKING_OPENED, CONTINUED_IN_THINK]))
 def test_streamed_in_any_cuts_equals_whole(pieces, cuts, prompt):
     answer = "".join(pieces)
     whole = ReasoningSplitter("qwen3", prompt).split_whole(answer)
@@ -355,6 +368,36 @@ def test_continue_final_message_leaves_the_final_message_open(served):
         assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
 
 
+IN_THINK = [{"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": "<think>\nLet me"}]
+CONTINUE = {"add_generation_prompt": False, "continue_final_message": True}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_final_message_continued_inside_its_reasoning(served, stream):
+    """continue_final_message on a message cut inside its think block: the answer goes on in the reasoning, and a
+    constraint (a schema, a forced tool call) waits for `</think>`; a message past its reasoning goes on in the
+    content, constrained from the first token."""
+    url, _, engine = served
+    assert ask(url, " add.</think>\n\n4", stream=stream, messages=IN_THINK, extra_body=CONTINUE)[:3] == (
+        " add.", "\n\n4", "stop")
+    reasoning, content, finish, _ = ask(url, " plan it</think>", stream=stream, end_script=[], messages=IN_THINK,
+                                        **JSON_SCHEMA, extra_body=CONTINUE)
+    assert reasoning == " plan it" and finish == "stop" and matches_schema(content), (reasoning, content)
+    tool = {"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "required": ["x"], "additionalProperties": False,
+        "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}}}}}
+    reasoning, content, finish, calls = ask(
+        url, " which</think>", stream=stream, end_script=[], max_tokens=120, temperature=0.0, tools=[tool],
+        tool_choice="required", parallel_tool_calls=False, messages=IN_THINK, extra_body=CONTINUE)
+    assert reasoning == " which" and finish == "tool_calls" and not content and len(calls) == 1, (reasoning, content)
+    past = [IN_THINK[0], {"role": "assistant", "content": "The answer is"}]
+    reasoning, content, finish, _ = ask(url, "plan it</think>", stream=stream, end_script=[], messages=past,
+                                        **JSON_SCHEMA, extra_body=CONTINUE)
+    assert reasoning is None and finish == "stop" and matches_schema(content), (reasoning, content)
+    from helpers import wait_idle_and_clean
+    wait_idle_and_clean(engine)
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_empty_reasoning_is_none_whole_and_streamed(served, stream):
     url, _, _ = served
@@ -371,3 +414,33 @@ def test_echo_starts_the_content_with_the_final_assistant_message(served, stream
     assert ask(plain_url, " 4.", stream=stream, **continued)[1] == "The answer is 4."
     # the final message is the user's: nothing to echo
     assert ask(plain_url, "4.", stream=stream, extra_body={"echo": True})[1] == "4."
+
+
+def test_the_offline_chat_takes_vllms_template_fields(tmp_path):
+    """LLM.chat renders continue_final_message, chat_template_kwargs and tools as the server does (the prompt is
+    the template's own rendering), and refuses the same bad values."""
+    from helpers import save_hf_dir, tiny_qwen3
+
+    from qwenserve import LLM, SamplingParams
+    from qwenserve.config.errors import RequestError
+    path = save_hf_dir(tiny_qwen3(seed=3), str(tmp_path))
+    with open(f"{path}/chat_template.jinja", "w") as f:
+        f.write("{% if tools %}<|im_start|>system\n{{ tools | tojson }}<|im_end|>\n{% endif %}" + QWEN3_LIKE_TEMPLATE)
+    llm = LLM(path, dtype="float32", kv_cache_memory="16MiB")
+    tool = {"type": "function", "function": {"name": "pick", "parameters": {"type": "object", "properties": {}}}}
+    one = SamplingParams(max_tokens=1)
+    for fields, ending in ((dict(add_generation_prompt=False, continue_final_message=True), "<think>\nLet me"),
+                           (dict(add_generation_prompt=True, chat_template_kwargs={"enable_thinking": False}),
+                            "<think>\n\n</think>\n\n")):
+        out = llm.chat(IN_THINK, one, use_tqdm=False, tools=[tool], **fields)[0]
+        text = llm.get_tokenizer().decode(out.prompt_token_ids)
+        assert text.startswith('<|im_start|>system\n[{"type": "function"') and text.endswith(ending), text
+        kwargs = fields.pop("chat_template_kwargs", {})
+        assert out.prompt_token_ids == llm.get_tokenizer().apply_chat_template(
+            IN_THINK, tools=[tool], tokenize=True, return_dict=False, **fields, **kwargs)
+    with pytest.raises(RequestError, match="continue_final_message and add_generation_prompt cannot both be true"):
+        llm.chat(IN_THINK, one, continue_final_message=True)
+    with pytest.raises(ValueError, match="chat_template_kwargs may not set tools"):
+        llm.chat(IN_THINK, one, chat_template_kwargs={"tools": []})
+    with pytest.raises(ValueError, match="enable_thinking must be true or false"):
+        llm.chat(IN_THINK, one, chat_template_kwargs={"enable_thinking": "false"})

@@ -9,6 +9,7 @@ from qwenserve.engine.data_parallel import build_engine
 from qwenserve.engine.outputs import RequestOutput
 from qwenserve.entrypoints.chat_content import load_media, media_placeholders, split_content
 from qwenserve.entrypoints.media import MediaConnector
+from qwenserve.entrypoints.openai.protocol import check_template_ending, check_template_kwargs
 from qwenserve.lora.request import LoRARequest
 from qwenserve.model.loader.tokenizer import chat_prompt_ids
 from qwenserve.sample.sampling_params import SamplingParams
@@ -48,12 +49,19 @@ class LLM:
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
-             lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
+             lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
         """messages: one conversation (a list of {"role", "content"} dicts) or a list of conversations. A
         message's content may be a list of OpenAI parts (entrypoints/chat_content.py): text, and for a
         vision-language model images ({"type": "image_url", "image_url": {"url": ...}} with a data:, http(s):// or
         file:// URL, fetched and read as allowed_media_domains and allowed_local_media_path allow, or
-        {"type": "image_pil", "image_pil": <PIL image>})."""
+        {"type": "image_pil", "image_pil": <PIL image>}). As in vLLM: continue_final_message leaves the final
+        message open for the answer to continue (add_generation_prompt must then be False); chat_template_kwargs
+        are more variables for the chat template (Qwen3's enable_thinking); tools (OpenAI function definitions)
+        are shown to the template, and the answer is returned as text."""
+        check_template_ending(add_generation_prompt, continue_final_message)
+        chat_template_kwargs = check_template_kwargs(chat_template_kwargs)
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.get_tokenizer()
         mm = self.engine.config.multimodal
@@ -62,7 +70,8 @@ class LLM:
         prompts = []
         for conv in conversations:
             conv, parts = split_content(conv, placeholders, mm.limit_mm_per_prompt)
-            prompt = {"prompt_token_ids": chat_prompt_ids(tok, conv, add_generation_prompt)}
+            prompt = {"prompt_token_ids": chat_prompt_ids(tok, conv, add_generation_prompt, tools,
+                                                          chat_template_kwargs, continue_final_message)}
             if parts:
                 prompt["multi_modal_data"] = load_media(parts, connector)
             prompts.append(prompt)

@@ -4,13 +4,17 @@ between `<think>` and `</think>`), returned as the message's `reasoning_content`
 One splitter serves the whole answer and the streamed one, fed the same text in any cuts, so both give the same
 split: a tag cut across two deltas is held back until it is whole. Where the answer starts decides:
 
-- the prompt ends by opening a think block (Qwen3-Thinking-2507's and QwQ's templates end the prompt with
-  `<think>` and a newline): the answer starts in the reasoning. Only the prompt's tail counts: a `<think>`
-  anywhere else in the conversation is text that the user or a tool wrote;
-- otherwise an answer whose first non-blank text is `<think>` starts the reasoning there (Qwen3 with thinking on);
-  blanks are JSON's whitespace (BLANKS), as the engine's free prefix counts them;
-- otherwise it is all content (Qwen3 with thinking off, whose template closes an empty think block in the
-  prompt), and a `</think>` in it is text like any other.
+- the answer's turn in the prompt (the text after its assistant header: the generation prompt's think block, or
+  the final assistant message that continue_final_message leaves open) is read first, by the same rules, and the
+  answer goes on from where it left off: inside the reasoning where it opened a think block and did not close it
+  (Qwen3-Thinking-2507's and QwQ's templates end the prompt with `<think>` and a newline; a continued message
+  cut inside its reasoning), in the content where it began with text or closed a think block and wrote on. A
+  think block the prompt closed with nothing after it (Qwen3 with thinking off, whose template closes an empty
+  one) leaves the answer as if the turn were blank. Only that turn counts: a `<think>` anywhere else in the
+  conversation is text that the user or a tool wrote;
+- otherwise (the turn is still blank) an answer whose first non-blank text is `<think>` starts the reasoning
+  there (Qwen3 with thinking on); blanks are JSON's whitespace (BLANKS), as the engine's free prefix counts them;
+- otherwise it is all content, and a `</think>` in it is text like any other.
 
 The reasoning ends at `</think>`; an answer cut short inside it (max_tokens) has reasoning and no content.
 
@@ -34,25 +38,36 @@ def check_reasoning_parser(name: str | None) -> None:
         raise ConfigError(f"reasoning_parser {name!r} is not one of {', '.join(sorted(REASONING_PARSERS))}")
 
 
-def thinking_open(prompt: str, start: str) -> bool:
-    """Whether the generation prompt opens a think block: the rendered prompt ends with the start tag (blanks
-    after it aside), so the model continues inside its reasoning. Only the template's tail decides: a start tag
-    in the conversation (a user's question about the tag, a tool's description, an earlier turn cut short) is
-    text, and never makes the answer reasoning."""
-    return prompt.rstrip().endswith(start)
+# ChatML's header of an assistant turn and its end (every Qwen template's)
+ANSWER_HEADER, TURN_END = "<|im_start|>assistant\n", "<|im_end|>"
+
+
+def answer_so_far(prompt: str, start: str) -> str:
+    """The text of the answer's own turn that the prompt already holds: what follows the last assistant header
+    where that turn is still open. A prompt with no open assistant turn (another template, a raw prompt) holds
+    none, except a tail that opens a think block (the start tag, blanks after it aside)."""
+    at = prompt.rfind(ANSWER_HEADER)
+    if at >= 0 and TURN_END not in prompt[at:]:
+        return prompt[at + len(ANSWER_HEADER):]
+    return start if prompt.rstrip().endswith(start) else ""
+
+
+def thinking_open(parser: str, prompt: str) -> bool:
+    """Whether the answer goes on inside a think block the prompt opened."""
+    return ReasoningSplitter(parser, prompt).state == _REASONING
 
 
 def constraint_prefix(parser: str, prompt: str) -> FreePrefix | None:
     """The free prefix a constrained answer's constraint waits out: its reasoning, already open where the prompt
     opened it, else opened by the answer if it starts with the start tag. None (constrained from the first
-    token, as without a parser) where the prompt ends by closing a think block: thinking turned off (Qwen3's
-    template with enable_thinking false), so the answer is all content."""
+    token, as without a parser) where the answer's turn in the prompt is already past its reasoning: thinking
+    turned off (Qwen3's template with enable_thinking false), or a continued message that closed its think
+    block or began with text."""
     start, end = REASONING_PARSERS[parser]
-    if thinking_open(prompt, start):
+    splitter = ReasoningSplitter(parser, prompt)
+    if splitter.state == _REASONING:
         return FreePrefix(end=end)
-    if prompt.rstrip().endswith(end):
-        return None
-    return FreePrefix(end=end, start=start)
+    return None if splitter.state == _CONTENT or splitter.prompt_closed else FreePrefix(end=end, start=start)
 
 
 def _held_tag_prefix(text: str, tag: str) -> int:
@@ -79,9 +94,17 @@ class ReasoningSplitter:
         """parser: a name in REASONING_PARSERS; prompt: the rendered prompt text, whose tail may open a think
         block."""
         self.start, self.end = REASONING_PARSERS[parser]
-        self.state = _REASONING if thinking_open(prompt, self.start) else _BEFORE
-        self.saw_reasoning = self.state == _REASONING
-        self._held = ""
+        self.state, self.saw_reasoning, self._held = _BEFORE, False, ""
+        # the prompt's part of the turn, read for where it leaves the answer (its text is not the answer's)
+        after = self.feed(answer_so_far(prompt, self.start)).content
+        if self.state == _BEFORE and self._held.strip(BLANKS):
+            self.state = _CONTENT  # the turn ends in a cut start tag: text the message wrote
+        # a think block the prompt closed with nothing after it (thinking off): the answer may still open one, as
+        # it may with thinking on, though a constraint holds from its first token (constraint_prefix)
+        self.prompt_closed = self.state == _CONTENT and self.saw_reasoning and not after.strip(BLANKS)
+        if self.prompt_closed:
+            self.state = _BEFORE
+        self._held, self.saw_reasoning = "", self.state == _REASONING
 
     def feed(self, text: str) -> Split:
         """The next piece of the answer -> the reasoning and content it releases (a tag cut in two is held)."""

@@ -81,7 +81,9 @@ def chat_prompt_text(tokenizer, messages: list[dict], add_generation_prompt: boo
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
+                    tools: list[dict] | None = None, template_kwargs: dict | None = None,
+                    continue_final_message: bool = False) -> list[int]:
     """Token ids of chat_prompt_text."""
-    text = chat_prompt_text(tokenizer, messages, add_generation_prompt, tools, template_kwargs)
+    text = chat_prompt_text(tokenizer, messages, add_generation_prompt, tools, template_kwargs,
+                            continue_final_message)
     return tokenizer.encode(text, add_special_tokens=False)
