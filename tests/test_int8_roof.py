@@ -11,9 +11,9 @@ from qwenserve.config.cpu_variants import machine_arch, variants_for
 # variant -> how the name of its loop starts: the instructions its int8 tile kernel runs (ggml/dispatch.cpp)
 INSTRUCTIONS = {
     "x86_64": "C++ int8 dot loop",
-    "avx2": "vpmaddubsw+vpmaddwd+vpaddd ymm",
+    "avx2": "8 x vpmaddubsw+vpaddw, vpmaddwd+vpaddd ymm",
     "avx_vnni": "vpdpbusd ymm",
-    "avx512": "vpmaddubsw+vpmaddwd+vpaddd ymm",  # no VNNI: the 256-bit tiles' maddubs pair
+    "avx512": "8 x vpmaddubsw+vpaddw, vpmaddwd+vpaddd ymm",  # no VNNI: the 256-bit tiles' mix for 4-bit codes
     "avx512_vnni": "vpdpbusd zmm",
     "avx512_bf16": "vpdpbusd zmm",
     "armv8": "smull+smull2+sadalp",

@@ -88,12 +88,16 @@ int64_t run_steps(int64_t steps) {
   return sum;
 }
 #elif QS_X86_AVX2
-// avx2_tiles.h without VNNI: vpmaddubsw (u8 x s8 pairs into int16), vpmaddwd (int16 pairs into int32), vpaddd;
-// the accumulators wait only on vpaddd (one cycle), so 6 chains hide the latency and fit 16 ymm registers with
-// the operands and the products in flight
-constexpr const char* kName = "vpmaddubsw+vpmaddwd+vpaddd ymm (AVX2, 256-bit)";
+// avx2_tiles.h without VNNI, as it runs 4-bit codes: 8 quads' vpmaddubsw (u8 x s8 pairs into int16) added in int16
+// (vpaddw), then one vpmaddwd (int16 pairs into int32) and vpaddd. A loop widening every product (a vpmaddwd per
+// vpmaddubsw) is slower where the two share a pipe, and the tiles beat it there (docs/performance.md, the int8
+// roof); types whose larger codes allow fewer quads per widening (Q6_K: 2) have a lower ceiling than this. The
+// accumulators wait only on vpaddd, so 6 chains hide the latency and fit 16 ymm registers with the operands and
+// the products in flight.
+constexpr const char* kName = "8 x vpmaddubsw+vpaddw, vpmaddwd+vpaddd ymm (AVX2, 256-bit)";
 constexpr int kChains = 6;
-constexpr int64_t kMacsPerStep = kChains * 32;
+constexpr int kQuadsPerWidening = 8;
+constexpr int64_t kMacsPerStep = kChains * kQuadsPerWidening * 32;
 int64_t run_steps(int64_t steps) {
   __m256i acc[kChains];
   for (auto& a : acc) a = _mm256_setzero_si256();
@@ -103,7 +107,13 @@ int64_t run_steps(int64_t steps) {
     #pragma GCC unroll 16  // every accumulator in a register of its own
     for (int c = 0; c < kChains; ++c) {
       opaque(s);
-      acc[c] = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(u, s), ones), acc[c]);
+      __m256i pairs = _mm256_maddubs_epi16(u, s);
+      #pragma GCC unroll 8
+      for (int q = 1; q < kQuadsPerWidening; ++q) {
+        opaque(s);
+        pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(u, s));
+      }
+      acc[c] = _mm256_add_epi32(_mm256_madd_epi16(pairs, ones), acc[c]);
     }
   }
   for (int c = 1; c < kChains; ++c) acc[0] = _mm256_add_epi32(acc[0], acc[c]);
